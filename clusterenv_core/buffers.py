@@ -1,0 +1,86 @@
+"""Preallocated batch buffers: every per-step array of the pool, laid out in one block of memory.
+
+The local backend places the block in shared memory, so workers write results where the learner
+reads them; the MPI backend keeps one block on each side and moves a worker's rows with buffer
+messages. Either way each field is a ``(num_envs, *shape)`` C-contiguous array, so one worker's
+contiguous block of envs is a contiguous slice of every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gymnasium import spaces
+
+from clusterenv_core.spaces import Field, SpaceLayout
+
+_ALIGN = 64  # cache-line alignment keeps two workers' writes to neighbouring fields apart
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Everything needed to lay out the buffers; small and picklable, sent to workers."""
+
+    num_envs: int
+    observation_space: spaces.Space
+    action_space: spaces.Space
+
+    def layouts(self) -> tuple[SpaceLayout, SpaceLayout, SpaceLayout]:
+        """Layouts of observations, final observations and actions."""
+        return (
+            SpaceLayout(self.observation_space, "obs"),
+            SpaceLayout(self.observation_space, "final_obs"),
+            SpaceLayout(self.action_space, "act"),
+        )
+
+    def fields(self) -> list[Field]:
+        """All fields in block order: results first (written by workers), then actions."""
+        obs, final_obs, act = self.layouts()
+        scalars = [
+            Field("rewards", (), np.dtype(np.float64)),
+            Field("terminated", (), np.dtype(np.bool_)),
+            Field("truncated", (), np.dtype(np.bool_)),
+        ]
+        return [*obs.fields, *final_obs.fields, *scalars, *act.fields]
+
+    def nbytes(self) -> int:
+        return sum(_padded(self.num_envs * int(np.prod(f.shape, dtype=np.int64)) * f.dtype.itemsize) for f in self.fields())
+
+
+def _padded(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
+class BatchBuffers:
+    """Numpy views of every field over one memory block.
+
+    :param spec: the layout description
+    :param memory: a writable buffer of at least ``spec.nbytes()`` bytes (mmap, bytearray, ...)
+    """
+
+    def __init__(self, spec: BatchSpec, memory: memoryview | bytearray) -> None:
+        self.spec = spec
+        self.obs_layout, self.final_obs_layout, self.act_layout = spec.layouts()
+        self.arrays: dict[str, np.ndarray] = {}
+        offset = 0
+        for field in spec.fields():
+            count = spec.num_envs * int(np.prod(field.shape, dtype=np.int64))
+            array = np.frombuffer(memory, dtype=field.dtype, count=count, offset=offset)
+            self.arrays[field.name] = array.reshape((spec.num_envs, *field.shape))
+            offset += _padded(count * field.dtype.itemsize)
+        self.obs = [self.arrays[f.name] for f in self.obs_layout.fields]
+        self.final_obs = [self.arrays[f.name] for f in self.final_obs_layout.fields]
+        self.actions = [self.arrays[f.name] for f in self.act_layout.fields]
+        self.rewards = self.arrays["rewards"]
+        self.terminated = self.arrays["terminated"]
+        self.truncated = self.arrays["truncated"]
+
+    @classmethod
+    def allocate(cls, spec: BatchSpec) -> BatchBuffers:
+        """Buffers in private (non-shared) memory."""
+        return cls(spec, bytearray(spec.nbytes()))
+
+    def result_arrays(self) -> list[np.ndarray]:
+        """The arrays a step writes, in a fixed order (what travels back from a worker)."""
+        return [*self.obs, *self.final_obs, self.rewards, self.terminated, self.truncated]

@@ -1,0 +1,71 @@
+"""Exceptions raised by the learner-side pool.
+
+Every failure that happens on a worker reaches the learner as one of these, so user code can catch
+``ClusterEnvError`` to handle anything that went wrong remotely.
+"""
+
+from __future__ import annotations
+
+
+class ClusterEnvError(RuntimeError):
+    """Base class of every error ClusterEnv raises about its workers or remote environments."""
+
+
+class EnvError(ClusterEnvError):
+    """A remote environment raised an exception.
+
+    :param env_index: global index of the environment that raised
+    :param worker_index: index of the worker that runs it
+    :param operation: what the worker was doing (``"step"``, ``"reset"``, ``"call render"``, ...)
+    :param exc_type: qualified name of the remote exception's type
+    :param message: ``str()`` of the remote exception
+    :param remote_traceback: the formatted remote traceback
+    """
+
+    def __init__(
+        self,
+        env_index: int | None,
+        worker_index: int,
+        operation: str,
+        exc_type: str,
+        message: str,
+        remote_traceback: str,
+    ) -> None:
+        self.env_index = env_index
+        self.worker_index = worker_index
+        self.operation = operation
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        where = f"env {env_index} on worker {worker_index}" if env_index is not None else f"worker {worker_index}"
+        super().__init__(
+            f"{operation} failed in {where}: {exc_type}: {message}\n\nRemote traceback:\n{remote_traceback.rstrip()}"
+        )
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (
+                self.env_index,
+                self.worker_index,
+                self.operation,
+                self.exc_type,
+                self.remote_message,
+                self.remote_traceback,
+            ),
+        )
+
+
+class EnvAttributeError(EnvError, AttributeError):
+    """A remote environment has no attribute of the requested name.
+
+    Also an ``AttributeError``, so ``hasattr``-style probing (SB3's ``VecEnv.has_attr``) works remotely.
+    """
+
+
+class WorkerLostError(ClusterEnvError):
+    """A worker process (or MPI rank) died or its connection closed while the learner needed it."""
+
+
+class WorkerTimeoutError(ClusterEnvError):
+    """A worker did not answer within the configured timeout."""

@@ -1,0 +1,489 @@
+"""The learner-side pool: batched reset and step over environments that live on workers.
+
+:class:`EnvPool` is what the SB3 and CleanRL adapters are built on. It hands out views of its
+preallocated buffers (callers copy what they keep) and raises the errors of
+:mod:`clusterenv_core.errors` for anything that goes wrong remotely; it never waits without a timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.transports import Transport, make_transport
+from clusterenv_core.protocol import AUTORESET_MODES
+
+DEFAULT_TIMEOUT = 60.0
+_CLOSE_TIMEOUT = 5.0
+
+
+@dataclass
+class ResetResult:
+    """What a reset returns. Arrays are views of the pool's buffers, valid until the next call."""
+
+    obs: Any
+    infos: dict[int, dict] = field(default_factory=dict)  # only non-empty infos, by env index
+
+
+@dataclass
+class StepResult:
+    """What a step returns. Arrays are views of the pool's buffers, valid until the next call.
+
+    ``infos`` holds the non-empty step infos by env index. In ``same_step`` mode, ``reset_infos``
+    holds the non-empty infos of the automatic resets, and :meth:`final_observation` gives the last
+    observation of each env whose episode ended.
+    """
+
+    obs: Any
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    infos: dict[int, dict]
+    reset_infos: dict[int, dict]
+    pickled_final_obs: dict[int, Any]
+    _buffers: BatchBuffers
+
+    def final_observation(self, index: int) -> Any:
+        """The observation env ``index`` ended its episode with (``same_step`` mode, done envs only)."""
+        if index in self.pickled_final_obs:
+            return self.pickled_final_obs[index]
+        return self._buffers.final_obs_layout.read(self._buffers.final_obs, index)
+
+
+def _blocks(num_envs: int, num_workers: int) -> list[range]:
+    """Contiguous blocks of envs, the first ``num_envs % num_workers`` one env larger."""
+    size, extra = divmod(num_envs, num_workers)
+    blocks, start = [], 0
+    for worker in range(num_workers):
+        stop = start + size + (worker < extra)
+        blocks.append(range(start, stop))
+        start = stop
+    return blocks
+
+
+class EnvPool:
+    """Environments on worker processes, stepped in parallel in contiguous blocks.
+
+    :param env_fns: picklable callables that each build one environment (closures and classes
+        from ``__main__`` work: they are serialized with cloudpickle)
+    :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
+    :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
+    :param timeout: seconds any single wait for a worker may last before
+        :class:`~clusterenv_core.errors.WorkerTimeoutError`; a worker that dies is reported sooner
+    :param autoreset_mode: ``"same_step"``, ``"next_step"`` or ``"disabled"``
+        (see :mod:`clusterenv_core.worker`)
+    :param backend_options: keyword arguments of the backend's transport
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], Any]],
+        *,
+        backend: str = "local",
+        num_workers: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        autoreset_mode: str = "same_step",
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        env_fns = list(env_fns)
+        num_envs = len(env_fns)
+        if num_envs == 0:
+            raise ValueError("env_fns is empty: at least one environment factory is needed")
+        for index, env_fn in enumerate(env_fns):
+            if not callable(env_fn):
+                raise TypeError(f"env_fns[{index}] is not callable: {env_fn!r}")
+        if num_workers is None:
+            num_workers = min(num_envs, os.cpu_count() or 1)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
+            raise TypeError(f"num_workers must be an int, got {num_workers!r}")
+        if not 1 <= num_workers <= num_envs:
+            raise ValueError(f"num_workers must be between 1 and num_envs={num_envs}, got {num_workers}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if autoreset_mode not in AUTORESET_MODES:
+            raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
+
+        self.num_envs = num_envs
+        self.num_workers = int(num_workers)
+        self.timeout = float(timeout)
+        self.autoreset_mode = autoreset_mode
+        self.blocks = _blocks(num_envs, self.num_workers)
+        self.worker_of = np.repeat(np.arange(self.num_workers), [len(block) for block in self.blocks])
+        # Serialize before anything starts, so an unpicklable factory fails here and names itself.
+        pickled_blocks = [_pickle_factories(env_fns, block) for block in self.blocks]
+
+        self._transport: Transport = make_transport(backend, **(backend_options or {}))
+        self.backend = backend
+        self._awaiting: set[int] = set()  # workers whose reply to the last message is still unread
+        self._failure: ClusterEnvError | None = None
+        self._stepping = False
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._transport, self._awaiting)
+        try:
+            self._start(pickled_blocks)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def make(cls, env_id: str, num_envs: int, make_kwargs: dict | None = None, **pool_kwargs: Any) -> EnvPool:
+        """A pool of ``num_envs`` copies of ``gymnasium.make(env_id, **make_kwargs)``."""
+        if not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
+            raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
+        import gymnasium
+
+        env_fn = functools.partial(gymnasium.make, env_id, **(make_kwargs or {}))
+        return cls([env_fn] * int(num_envs), **pool_kwargs)
+
+    def _start(self, pickled_blocks: list[list[bytes]]) -> None:
+        self._transport.start(self.num_workers, self.timeout)
+        for worker, block in enumerate(self.blocks):
+            payload = {
+                "env_fns": pickled_blocks[worker],
+                "first_index": block.start,
+                "autoreset_mode": self.autoreset_mode,
+                "sys_path": list(sys.path),
+            }
+            self._send(worker, ("init", payload))
+        descriptions = self._gather(range(self.num_workers), "creating the envs")
+        spaces = [pair for worker in range(self.num_workers) for pair in descriptions[worker]["spaces"]]
+        self.observation_space, self.action_space = spaces[0]
+        for index, (observation_space, action_space) in enumerate(spaces):
+            if observation_space != self.observation_space:
+                raise ValueError(
+                    f"env {index} has observation space {observation_space}, env 0 has {self.observation_space}: "
+                    "all envs of a pool must share their spaces"
+                )
+            if action_space != self.action_space:
+                raise ValueError(
+                    f"env {index} has action space {action_space}, env 0 has {self.action_space}: "
+                    "all envs of a pool must share their spaces"
+                )
+        first = descriptions[0]
+        self.metadata: dict = first["metadata"]
+        self.render_mode: str | None = first["render_mode"]
+        self.spec = first["spec"]
+
+        self.batch_spec = BatchSpec(self.num_envs, self.observation_space, self.action_space)
+        self.buffers = self._transport.share_buffers(self.batch_spec, self.blocks)
+        for worker, block in enumerate(self.blocks):
+            self._send(worker, ("attach", {"spec": self.batch_spec, "block": block}))
+        self._gather(range(self.num_workers), "attaching buffers")
+        self._obs_layout = self.buffers.obs_layout
+        self._act_layout = self.buffers.act_layout
+        # Batched observations: views of the buffers, or per-env values for spaces without buffers.
+        self._obs: Any = self._obs_layout.batch(self.buffers.obs) if self._obs_layout.buffered else [None] * self.num_envs
+
+    # -- hot path ---------------------------------------------------------------------------------
+
+    def step_async(self, actions: Any) -> None:
+        """Write ``actions`` (one per env, batched like ``action_space`` batched over envs) and start
+        every worker stepping; returns at once.
+
+        :raises ValueError: wrong shape, count or values, before anything is sent
+        """
+        self._check_usable()
+        if self._stepping:
+            raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
+        self._drain()
+        if not self._act_layout.buffered:
+            raise ClusterEnvError(f"action space {self.action_space} has no buffer layout; it is not supported")
+        leaves = self._act_layout.check_batch(actions, self.num_envs)
+        for buffer, leaf in zip(self.buffers.actions, leaves):
+            buffer[...] = leaf
+        transport = self._transport
+        try:
+            for worker in range(self.num_workers):
+                transport.send_step(worker)
+                self._awaiting.add(worker)
+        except ClusterEnvError as error:
+            raise self._fail(error)
+        self._stepping = True
+
+    def step_wait(self) -> StepResult:
+        """Wait for the step started by :meth:`step_async` and return its results."""
+        self._check_usable()
+        if not self._stepping:
+            raise ClusterEnvError("step_wait called without step_async")
+        payloads = self._gather(sorted(self._awaiting), "step", step=True)
+        self._stepping = False
+        infos: dict[int, dict] = {}
+        reset_infos: dict[int, dict] = {}
+        final_obs: dict[int, Any] = {}
+        for payload in payloads.values():
+            if payload is None:
+                continue
+            infos.update(payload.get("infos", ()))
+            reset_infos.update(payload.get("reset_infos", ()))
+            final_obs.update(payload.get("final_obs", ()))
+            self._store_pickled_obs(payload)
+        buffers = self.buffers
+        return StepResult(
+            self._obs, buffers.rewards, buffers.terminated, buffers.truncated, infos, reset_infos, final_obs, buffers
+        )
+
+    def step(self, actions: Any) -> StepResult:
+        """:meth:`step_async` then :meth:`step_wait`."""
+        self.step_async(actions)
+        return self.step_wait()
+
+    def reset(
+        self,
+        seeds: Sequence[int | None] | None = None,
+        options: Sequence[dict | None] | None = None,
+        mask: np.ndarray | None = None,
+    ) -> ResetResult:
+        """Reset the envs selected by ``mask`` (all by default).
+
+        :param seeds: one seed (or ``None``) per env
+        :param options: one options dict (or ``None``) per env
+        :param mask: boolean array of shape ``(num_envs,)``; envs outside it keep their state and
+            their observation rows
+        """
+        self._check_usable()
+        self._check_not_stepping()
+        seeds = self._per_env(seeds, "seeds")
+        options = self._per_env(options, "options")
+        for index, seed in enumerate(seeds):
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+                raise ValueError(f"seeds[{index}] must be an int or None, got {seed!r}")
+        if mask is not None:
+            mask = np.asarray(mask)
+            if mask.shape != (self.num_envs,) or mask.dtype != np.bool_:
+                raise ValueError(f"mask must be a bool array of shape ({self.num_envs},), got {mask.dtype} {mask.shape}")
+        self._drain()
+        seeds = [None if seed is None else int(seed) for seed in seeds]
+        targets = []
+        for worker, block in enumerate(self.blocks):
+            block_mask = None if mask is None else mask[block.start : block.stop].tolist()
+            if block_mask is not None and not any(block_mask):
+                continue
+            payload = {
+                "seeds": seeds[block.start : block.stop],
+                "options": options[block.start : block.stop],
+                "mask": block_mask,
+            }
+            self._send(worker, ("reset", payload))
+            targets.append(worker)
+        infos: dict[int, dict] = {}
+        for payload in self._gather(targets, "reset").values():
+            if payload is not None:
+                infos.update(payload.get("infos", ()))
+                self._store_pickled_obs(payload)
+        return ResetResult(self._obs, infos)
+
+    def _store_pickled_obs(self, payload: dict) -> None:
+        for index, obs in payload.get("obs", {}).items():
+            self._obs[index] = obs
+
+    # -- per-env access ---------------------------------------------------------------------------
+
+    def call(
+        self, name: str, *args: Any, indices: Iterable[int] | None = None, require_callable: bool = False, **kwargs: Any
+    ) -> list:
+        """Call method ``name`` of each selected env (looked up through its wrappers) and return the
+        results in the order of ``indices``; a non-callable attribute is returned as is unless
+        ``require_callable``."""
+        payload = {"name": name, "args": args, "kwargs": kwargs, "require_callable": require_callable}
+        return self._per_worker("call", payload, indices, f"call {name}")
+
+    def get_attr(self, name: str, indices: Iterable[int] | None = None) -> list:
+        """Attribute ``name`` of each selected env, looked up through its wrappers."""
+        return self._per_worker("get_attr", {"name": name}, indices, f"get_attr {name}")
+
+    def set_attr(
+        self, name: str, values: Sequence[Any], indices: Iterable[int] | None = None, through_wrappers: bool = False
+    ) -> None:
+        """Set attribute ``name`` of each selected env to the matching entry of ``values``."""
+        indices = self._indices(indices)
+        if len(values) != len(indices):
+            raise ValueError(f"set_attr: {len(values)} values for {len(indices)} envs")
+        by_index = dict(zip(indices, values))
+        self._per_worker(
+            "set_attr",
+            {"name": name, "through_wrappers": through_wrappers},
+            indices,
+            f"set_attr {name}",
+            per_row=lambda worker_indices: {"values": [by_index[i] for i in worker_indices]},
+        )
+
+    def env_is_wrapped(self, wrapper_class: type, indices: Iterable[int] | None = None) -> list[bool]:
+        """Whether each selected env has a wrapper of ``wrapper_class`` in its wrapper stack."""
+        return self._per_worker("is_wrapped", {"wrapper_class": wrapper_class}, indices, "env_is_wrapped")
+
+    def _per_worker(
+        self, op: str, payload: dict, indices: Iterable[int] | None, what: str, per_row: Callable | None = None
+    ) -> list:
+        self._check_usable()
+        self._check_not_stepping()
+        indices = self._indices(indices)
+        self._drain()
+        by_worker: dict[int, list[int]] = {}
+        for index in indices:
+            by_worker.setdefault(int(self.worker_of[index]), []).append(index)
+        for worker, worker_indices in by_worker.items():
+            start = self.blocks[worker].start
+            message = dict(payload, rows=[i - start for i in worker_indices])
+            if per_row is not None:
+                message.update(per_row(worker_indices))
+            self._send(worker, (op, message))
+        replies = self._gather(list(by_worker), what)
+        results: dict[int, Any] = {}
+        for worker, worker_indices in by_worker.items():
+            if replies[worker] is not None:
+                results.update(zip(worker_indices, replies[worker]))
+        return [results.get(index) for index in indices]
+
+    def _indices(self, indices: Iterable[int] | int | None) -> list[int]:
+        if indices is None:
+            return list(range(self.num_envs))
+        if isinstance(indices, (int, np.integer)):
+            indices = [indices]
+        result = []
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+                raise TypeError(f"env indices must be ints, got {index!r}")
+            if not -self.num_envs <= index < self.num_envs:
+                raise IndexError(f"env index {index} out of range for {self.num_envs} envs")
+            result.append(int(index) % self.num_envs)
+        return result
+
+    def _per_env(self, values: Sequence | None, what: str) -> list:
+        if values is None:
+            return [None] * self.num_envs
+        values = list(values)
+        if len(values) != self.num_envs:
+            raise ValueError(f"{what}: expected {self.num_envs} values (one per env), got {len(values)}")
+        return values
+
+    # -- messaging --------------------------------------------------------------------------------
+
+    def _send(self, worker: int, message: tuple) -> None:
+        try:
+            self._transport.send(worker, message)
+        except ClusterEnvError as error:
+            raise self._fail(error)
+        self._awaiting.add(worker)
+
+    def _gather(self, workers: Iterable[int], what: str, step: bool = False) -> dict[int, Any]:
+        """Every listed worker's reply payload; the first remote error is raised once all have answered."""
+        recv = self._transport.recv_step if step else self._transport.recv
+        payloads: dict[int, Any] = {}
+        first_error: EnvError | None = None
+        for worker in workers:
+            try:
+                status, payload = recv(worker, self.timeout)
+            except (WorkerLostError, WorkerTimeoutError) as error:
+                raise self._fail(error)
+            self._awaiting.discard(worker)
+            if status == "error":
+                if first_error is None:
+                    error_class = EnvAttributeError if payload["type"] == "builtins.AttributeError" else EnvError
+                    first_error = error_class(
+                        payload["env_index"],
+                        worker,
+                        payload["operation"] if payload["operation"] != "step" else what,
+                        payload["type"],
+                        payload["message"],
+                        payload["traceback"],
+                    )
+            else:
+                payloads[worker] = payload
+        if first_error is not None:
+            raise first_error
+        return payloads
+
+    def _drain(self) -> None:
+        """Read replies left unread by an interrupted call, so requests and replies stay paired."""
+        for worker in sorted(self._awaiting):
+            try:
+                self._transport.recv(worker, self.timeout)
+            except (WorkerLostError, WorkerTimeoutError) as error:
+                raise self._fail(error)
+            self._awaiting.discard(worker)
+        self._stepping = False
+
+    def _fail(self, error: ClusterEnvError) -> ClusterEnvError:
+        """Remember that the pool is unusable; returns ``error`` for raising."""
+        if self._failure is None:
+            self._failure = error
+        return error
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClusterEnvError("the pool is closed")
+        if self._failure is not None:
+            raise ClusterEnvError(f"the pool is unusable after an earlier failure: {self._failure}") from self._failure
+
+    def _check_not_stepping(self) -> None:
+        if self._stepping:
+            raise ClusterEnvError("a step is pending: call step_wait first")
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop every worker and free every resource; idempotent, also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stepping = False
+        self._finalizer()
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _pickle_factories(env_fns: list, block: range) -> list[bytes]:
+    pickled = []
+    for index in block:
+        try:
+            pickled.append(cloudpickle.dumps(env_fns[index], protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as error:
+            raise ValueError(
+                f"env_fns[{index}] cannot be pickled ({type(error).__name__}: {error}); "
+                "env factories must be picklable to reach the workers"
+            ) from error
+    return pickled
+
+
+def _shutdown(transport: Transport, awaiting: set[int]) -> None:
+    """Ask every worker to close its envs and exit, then make sure they have.
+
+    Kept apart from the pool so that it can run as the pool's finalizer at interpreter exit.
+    """
+    started = getattr(transport, "num_workers", 0)
+    asked = []
+    for worker in range(started):
+        try:
+            while worker in awaiting:  # a pending reply first, so the close reply is the next one
+                transport.recv(worker, _CLOSE_TIMEOUT)
+                awaiting.discard(worker)
+            transport.send(worker, ("close", None))
+            asked.append(worker)
+        except ClusterEnvError:
+            awaiting.discard(worker)
+    for worker in asked:
+        try:
+            transport.recv(worker, _CLOSE_TIMEOUT)
+        except ClusterEnvError:
+            pass
+    awaiting.clear()
+    transport.close(_CLOSE_TIMEOUT)

@@ -1,0 +1,24 @@
+"""What the learner and its workers say to each other, shared by the pool, the worker and backends.
+
+Control messages are ``(op, payload)`` tuples, replies ``("ok", result)`` or ``("error", details)``;
+a step request is the bare :data:`STEP` so backends can send it without pickling anything.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+STEP = "step"
+
+AUTORESET_MODES = ("same_step", "next_step", "disabled")
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle with the standard pickler, falling back to cloudpickle for closures and lambdas."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        import cloudpickle
+
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,0 +1,172 @@
+"""How Gymnasium spaces map onto fixed-size numpy buffers.
+
+A :class:`SpaceLayout` turns a single-env space into named *fields*, each a ``(num_envs, *shape)``
+array of one dtype, so a batch of observations or actions can live in preallocated (shared)
+memory: ``Box``, ``Discrete``, ``MultiDiscrete`` and ``MultiBinary`` are one field each, ``Dict``
+and ``Tuple`` of those are one field per leaf. Any other space (``Graph``, ``Sequence``, ``Text``,
+custom spaces) has no fields and travels pickled instead; ``layout.buffered`` tells which.
+
+The batched structure matches gymnasium's ``create_empty_array``: an array for a leaf, a ``dict``
+for a ``Dict`` space and a ``tuple`` for a ``Tuple`` space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One buffer: ``shape`` and ``dtype`` of a single env's value."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _leaf_shape(space: spaces.Space) -> tuple[int, ...]:
+    return () if isinstance(space, spaces.Discrete) else tuple(space.shape)
+
+
+class SpaceLayout:
+    """The buffer fields of a space and the conversions between values and buffer rows.
+
+    :param space: the single-env space
+    :param prefix: prefix of the field names (``"obs"``, ``"act"``, ...)
+    """
+
+    def __init__(self, space: spaces.Space, prefix: str) -> None:
+        self.space = space
+        self.prefix = prefix
+        self.fields: list[Field] = []
+        # The tree mirrors the space: a field index at a leaf, ("dict", keys, children) or ("tuple", children).
+        self._tree = self._build(space, prefix)
+        self.buffered = self._tree is not None
+
+    def _build(self, space: spaces.Space, name: str) -> Any:
+        if isinstance(space, LEAF_SPACES):
+            self.fields.append(Field(name, _leaf_shape(space), np.dtype(space.dtype)))
+            return len(self.fields) - 1
+        if isinstance(space, spaces.Dict):
+            children = [self._build(sub, f"{name}.{key}") for key, sub in space.spaces.items()]
+            return None if any(c is None for c in children) else ("dict", list(space.spaces), children)
+        if isinstance(space, spaces.Tuple):
+            children = [self._build(sub, f"{name}.{i}") for i, sub in enumerate(space.spaces)]
+            return None if any(c is None for c in children) else ("tuple", children)
+        return None
+
+    def batch(self, arrays: list[np.ndarray]) -> Any:
+        """The batched value whose leaves are ``arrays`` (one per field, in field order)."""
+        return self._batch(self._tree, arrays)
+
+    def _batch(self, node: Any, arrays: list[np.ndarray]) -> Any:
+        if isinstance(node, int):
+            return arrays[node]
+        if node[0] == "dict":
+            return {key: self._batch(child, arrays) for key, child in zip(node[1], node[2])}
+        return tuple(self._batch(child, arrays) for child in node[1])
+
+    def write(self, arrays: list[np.ndarray], row: int, value: Any) -> None:
+        """Store one env's ``value`` at ``row`` of ``arrays``."""
+        self._write(self._tree, arrays, row, value)
+
+    def _write(self, node: Any, arrays: list[np.ndarray], row: int, value: Any) -> None:
+        if isinstance(node, int):
+            arrays[node][row] = value
+        elif node[0] == "dict":
+            for key, child in zip(node[1], node[2]):
+                self._write(child, arrays, row, value[key])
+        else:
+            for child, item in zip(node[1], value):
+                self._write(child, arrays, row, item)
+
+    def read(self, arrays: list[np.ndarray], row: int) -> Any:
+        """One env's value at ``row`` as an independent copy (numpy scalar for 0-d leaves)."""
+        return self._read(self._tree, arrays, row)
+
+    def _read(self, node: Any, arrays: list[np.ndarray], row: int) -> Any:
+        if isinstance(node, int):
+            value = arrays[node][row]
+            return value.copy() if isinstance(value, np.ndarray) else value
+        if node[0] == "dict":
+            return {key: self._read(child, arrays, row) for key, child in zip(node[1], node[2])}
+        return tuple(self._read(child, arrays, row) for child in node[1])
+
+    def conforms(self, value: Any) -> bool:
+        """Whether ``value`` is stored losslessly by :meth:`write` and read back as an equal, same-typed value.
+
+        Values that do not conform (a float64 array for a float32 Box, a Python int for a Discrete)
+        are sent pickled where returning exactly what the env produced matters (final observations).
+        """
+        return self._conforms(self._tree, value)
+
+    def _conforms(self, node: Any, value: Any) -> bool:
+        if isinstance(node, int):
+            field = self.fields[node]
+            if field.shape == ():
+                return isinstance(value, np.generic) and value.dtype == field.dtype
+            return isinstance(value, np.ndarray) and value.dtype == field.dtype and value.shape == field.shape
+        if node[0] == "dict":
+            return isinstance(value, dict) and all(
+                key in value and self._conforms(child, value[key]) for key, child in zip(node[1], node[2])
+            )
+        return (
+            isinstance(value, tuple)
+            and len(value) == len(node[1])
+            and all(self._conforms(child, item) for child, item in zip(node[1], value))
+        )
+
+    def check_batch(self, batch: Any, num_envs: int) -> list[np.ndarray]:
+        """Validate a batch of ``num_envs`` values (e.g. actions) and return it as one array per field.
+
+        :raises ValueError: wrong structure, shape, or values that the field's dtype cannot hold
+            (NaN or fractional values for integer spaces, out-of-range integers).
+        """
+        leaves: list[np.ndarray] = [None] * len(self.fields)  # type: ignore[list-item]
+        self._collect(self._tree, batch, leaves, num_envs)
+        return leaves
+
+    def _collect(self, node: Any, batch: Any, leaves: list, num_envs: int) -> None:
+        if isinstance(node, int):
+            field = self.fields[node]
+            leaves[node] = _as_field_array(field, batch, num_envs)
+        elif node[0] == "dict":
+            if not isinstance(batch, dict) or set(batch) != set(node[1]):
+                keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+                raise ValueError(f"{self.prefix}: expected a dict with keys {node[1]}, got {keys}")
+            for key, child in zip(node[1], node[2]):
+                self._collect(child, batch[key], leaves, num_envs)
+        else:
+            if not isinstance(batch, (tuple, list)) or len(batch) != len(node[1]):
+                raise ValueError(f"{self.prefix}: expected a tuple of {len(node[1])} batches")
+            for child, item in zip(node[1], batch):
+                self._collect(child, item, leaves, num_envs)
+
+
+def _as_field_array(field: Field, batch: Any, num_envs: int) -> np.ndarray:
+    array = np.asarray(batch)
+    expected = (num_envs, *field.shape)
+    if array.shape != expected:
+        # A single-env batch of a 0-d field may come as shape (); nothing else is reshaped.
+        raise ValueError(f"{field.name}: expected shape {expected} (num_envs, *space shape), got {array.shape}")
+    if field.dtype.kind in "iub":
+        if array.dtype.kind == "f":
+            if not np.all(np.isfinite(array)):
+                raise ValueError(f"{field.name}: NaN or infinite values for an integer space")
+            if not np.all(array == np.round(array)):
+                raise ValueError(f"{field.name}: fractional values for an integer space")
+        elif array.dtype.kind not in "iub":
+            raise ValueError(f"{field.name}: dtype {array.dtype} cannot hold values of an integer space")
+        if array.dtype != field.dtype and array.size:
+            info = np.iinfo(field.dtype) if field.dtype.kind != "b" else None
+            if info is not None and (array.min() < info.min or array.max() > info.max):
+                raise ValueError(f"{field.name}: values out of range of {field.dtype}")
+    elif field.dtype.kind in "fc" and array.dtype.kind not in "biufc":
+        raise ValueError(f"{field.name}: dtype {array.dtype} is not numeric")
+    return array

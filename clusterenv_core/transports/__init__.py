@@ -1,0 +1,41 @@
+"""Backends, each one module: ``local`` (processes + shared memory) and ``mpi`` (mpi4py ranks).
+
+A backend module defines a :class:`~clusterenv_core.transports.base.Transport` subclass for the
+learner and a ``worker_connection(argv)`` function for ``python -m clusterenv_core.worker <backend>``.
+Modules are imported on first use, so ``mpi4py`` is needed only by the MPI backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from clusterenv_core.transports.base import Transport, WorkerConnection
+
+_BACKENDS = {
+    "local": ("clusterenv_core.transports.local", "LocalTransport"),
+}
+
+BACKENDS = tuple(_BACKENDS)
+
+
+def make_transport(backend: str, **options: Any) -> Transport:
+    """The learner side of ``backend``, constructed with the backend's ``options``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(_BACKENDS)}")
+    module_name, class_name = _BACKENDS[backend]
+    transport_class = getattr(importlib.import_module(module_name), class_name)
+    try:
+        return transport_class(**options)
+    except TypeError as error:
+        raise ValueError(f"bad options for backend {backend!r}: {error}") from None
+
+
+def worker_connection(backend: str, argv: list[str]) -> WorkerConnection:
+    """The worker side of ``backend``, from the worker's command-line arguments."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+    return importlib.import_module(_BACKENDS[backend][0]).worker_connection(argv)
+
+
+__all__ = ["BACKENDS", "Transport", "WorkerConnection", "make_transport", "worker_connection"]

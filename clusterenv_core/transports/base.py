@@ -1,0 +1,88 @@
+"""The interface every backend implements: how the learner reaches its workers and back.
+
+A backend is one module with a :class:`Transport` (learner side) and a :class:`WorkerConnection`
+(worker side). Control messages are small picklable tuples. A step is special: it moves the
+action rows of a worker's block to the worker and the result rows back, and must be as cheap as the
+backend allows, so it has its own calls. Arrays travel in :class:`~clusterenv_core.buffers.BatchBuffers`:
+the local backend shares them, the MPI backend ships the rows with buffer messages; the pool and
+the worker loop never see the difference.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from clusterenv_core.buffers import BatchBuffers, BatchSpec
+
+
+class Transport(ABC):
+    """Learner side of a backend: starts the workers and talks to each of them.
+
+    Every receive takes a ``timeout`` in seconds and raises
+    :class:`~clusterenv_core.errors.WorkerTimeoutError` when it expires, or
+    :class:`~clusterenv_core.errors.WorkerLostError` as soon as the backend knows the worker is gone.
+    """
+
+    num_workers: int
+
+    @abstractmethod
+    def start(self, num_workers: int, timeout: float) -> None:
+        """Launch (or attach to) ``num_workers`` workers that wait for their first message."""
+
+    @abstractmethod
+    def send(self, worker: int, message: Any) -> None:
+        """Send a control message to one worker."""
+
+    @abstractmethod
+    def recv(self, worker: int, timeout: float) -> Any:
+        """Receive the reply of one worker to its last message."""
+
+    @abstractmethod
+    def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
+        """Allocate the learner's batch buffers; ``blocks[w]`` are the env rows of worker ``w``.
+
+        Workers map their side when they receive the ``attach`` message that follows.
+        """
+
+    @abstractmethod
+    def send_step(self, worker: int) -> None:
+        """Start a step on one worker: its action rows are in the buffers."""
+
+    @abstractmethod
+    def recv_step(self, worker: int, timeout: float) -> Any:
+        """Wait for one worker's step reply; afterwards its result rows are in the buffers."""
+
+    @abstractmethod
+    def close(self, timeout: float) -> None:
+        """Make every worker exit (killing those that do not within ``timeout``) and free resources.
+
+        Idempotent; called after a ``close`` message was sent to the workers that could take it.
+        """
+
+
+class WorkerConnection(ABC):
+    """Worker side of a backend."""
+
+    @abstractmethod
+    def recv(self) -> Any:
+        """Block for the next message; :data:`~clusterenv_core.protocol.STEP` for a step (action rows are then in the buffers).
+
+        Returns ``None`` when the learner is gone, so the worker exits.
+        """
+
+    @abstractmethod
+    def send(self, message: Any) -> None:
+        """Reply to the last control message."""
+
+    @abstractmethod
+    def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
+        """Map this worker's buffers; returns them and the row of the block's first env in them."""
+
+    @abstractmethod
+    def send_step(self, reply: Any) -> None:
+        """Reply to a step: the result rows of this worker's block are in the buffers."""
+
+    def close(self) -> None:
+        """Release the connection before the worker exits."""
+

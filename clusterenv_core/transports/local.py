@@ -1,0 +1,244 @@
+"""The local backend: worker processes on this machine, batch buffers in shared memory.
+
+Each worker is a fresh interpreter (``python -m clusterenv_core.worker local ...``), so it imports
+only what its env factories need and never re-runs the user's ``__main__``. It inherits two file
+descriptors:
+
+- one end of an ``AF_UNIX`` socket pair, carrying length-prefixed pickled control messages and the
+  step wake-ups and replies. No network port is ever opened, and when either side dies the other
+  reads end-of-file at once, so a dead worker is reported immediately and an orphaned worker exits.
+- an anonymous memory file (``memfd``) holding the batch buffers. It has no name in ``/dev/shm``,
+  so nothing is left behind however the processes end.
+
+Signalling went through measurement (``benchmarks/signalling.py``); see the README.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
+from clusterenv_core.protocol import STEP, dumps
+from clusterenv_core.transports.base import Transport, WorkerConnection
+
+_HEADER = struct.Struct("<Q")
+_LIVENESS_INTERVAL = 0.25  # seconds between checks that a silent worker process still exists
+
+
+def _frame(message: Any) -> bytes:
+    payload = dumps(message)
+    return _HEADER.pack(len(payload)) + payload
+
+
+_STEP_FRAME = _frame(STEP)
+
+
+class _MessageSocket:
+    """Length-prefixed messages over a connected stream socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray(1 << 16)
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), select.POLLIN)
+
+    def send_frame(self, frame: bytes) -> None:
+        self.sock.sendall(frame)
+
+    def recv(self, timeout: float | None = None, still_alive=None) -> Any:
+        """The next message; ``EOFError`` if the peer closed. With ``timeout``, ``TimeoutError`` when it
+        expires; ``still_alive()`` is consulted while waiting and may raise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        received = 0
+        total = None
+        while True:
+            if deadline is not None:
+                self._wait_readable(deadline, still_alive)
+            view = memoryview(self._buffer)[received:]
+            count = self.sock.recv_into(view)
+            view.release()
+            if count == 0:
+                raise EOFError("connection closed")
+            received += count
+            if total is None and received >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(self._buffer)
+                total = _HEADER.size + length
+                if total > len(self._buffer):
+                    self._buffer.extend(bytes(total - len(self._buffer)))
+            if total is not None and received >= total:
+                return pickle.loads(memoryview(self._buffer)[_HEADER.size : total])
+
+    def _wait_readable(self, deadline: float, still_alive) -> None:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if self._poller.poll(min(remaining, _LIVENESS_INTERVAL) * 1000.0):
+                return
+            if still_alive is not None:
+                still_alive()
+
+
+def _anonymous_file() -> int:
+    """A file descriptor of memory with no name anywhere in the file system."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("clusterenv-buffers", os.MFD_CLOEXEC)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryFile(dir=shm) as file:  # unlinked at once; the descriptor keeps it alive
+        return os.dup(file.fileno())
+
+
+class LocalTransport(Transport):
+    """Learner side of the local backend.
+
+    :param python: interpreter for the workers (default: this one)
+    :param env: extra environment variables for the worker processes
+    """
+
+    def __init__(self, python: str | None = None, env: dict[str, str] | None = None) -> None:
+        self.python = python or sys.executable
+        self.extra_env = dict(env or {})
+        self.processes: list[subprocess.Popen] = []
+        self.sockets: list[_MessageSocket] = []
+        self.memory_fd: int | None = None
+        self.memory: mmap.mmap | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.sockets)
+
+    def start(self, num_workers: int, timeout: float) -> None:
+        self.memory_fd = _anonymous_file()
+        env = dict(os.environ, **self.extra_env)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        for _ in range(num_workers):
+            learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fds = (worker_end.fileno(), self.memory_fd)
+            command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds)]
+            try:
+                process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, env=env)
+            finally:
+                worker_end.close()
+            self.processes.append(process)
+            self.sockets.append(_MessageSocket(learner_end))
+
+    def send(self, worker: int, message: Any) -> None:
+        self._send_frame(worker, _frame(message))
+
+    def send_step(self, worker: int) -> None:
+        self._send_frame(worker, _STEP_FRAME)
+
+    def _send_frame(self, worker: int, frame: bytes) -> None:
+        try:
+            self.sockets[worker].send_frame(frame)
+        except OSError as error:
+            raise self._lost(worker, f"cannot send to it ({error})") from error
+
+    def recv(self, worker: int, timeout: float) -> Any:
+        try:
+            return self.sockets[worker].recv(timeout, lambda: self._check_alive(worker))
+        except EOFError:
+            raise self._lost(worker, "its connection closed") from None
+        except TimeoutError:
+            raise WorkerTimeoutError(
+                f"worker {worker} (pid {self.processes[worker].pid}) did not answer within {timeout:g} s"
+            ) from None
+        except ConnectionError as error:
+            raise self._lost(worker, f"its connection broke ({error})") from error
+
+    recv_step = recv
+
+    def _check_alive(self, worker: int) -> None:
+        if self.processes[worker].poll() is not None:
+            raise EOFError
+
+    def _lost(self, worker: int, why: str) -> WorkerLostError:
+        process = self.processes[worker]
+        try:
+            code = process.wait(timeout=1.0)
+            status = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+        except (subprocess.TimeoutExpired, ValueError):
+            status = "is unresponsive"
+        return WorkerLostError(f"worker {worker} (pid {process.pid}) {status}: {why}")
+
+    def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
+        nbytes = spec.nbytes()
+        os.ftruncate(self.memory_fd, nbytes)
+        self.memory = mmap.mmap(self.memory_fd, nbytes)
+        return BatchBuffers(spec, self.memory)
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for channel in self.sockets:
+            channel.sock.close()
+        self.processes, self.sockets = [], []
+        if self.memory is not None:
+            try:
+                self.memory.close()
+            except BufferError:  # views still exported; the mapping goes with them
+                pass
+            self.memory = None
+        if self.memory_fd is not None:
+            os.close(self.memory_fd)
+            self.memory_fd = None
+
+
+class LocalWorkerConnection(WorkerConnection):
+    """Worker side of the local backend.
+
+    :param socket_fd: the worker's end of the socket pair
+    :param memory_fd: the memory file holding the batch buffers
+    """
+
+    def __init__(self, socket_fd: int, memory_fd: int) -> None:
+        self.channel = _MessageSocket(socket.socket(fileno=socket_fd))
+        self.memory_fd = memory_fd
+        self.memory: mmap.mmap | None = None
+
+    def recv(self) -> Any:
+        try:
+            return self.channel.recv()
+        except (EOFError, ConnectionError):
+            return None
+
+    def send(self, message: Any) -> None:
+        try:
+            self.channel.send_frame(_frame(message))
+        except OSError:
+            pass  # the learner is gone; the next recv ends the loop
+
+    send_step = send
+
+    def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
+        self.memory = mmap.mmap(self.memory_fd, spec.nbytes())
+        return BatchBuffers(spec, self.memory), block.start
+
+    def close(self) -> None:
+        self.channel.sock.close()
+
+
+def worker_connection(argv: list[str]) -> LocalWorkerConnection:
+    """Build the worker side from the command line ``<socket fd> <memory fd>``."""
+    # Ctrl-C in a terminal reaches the whole process group; the learner handles it and closes us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    socket_fd, memory_fd = map(int, argv)
+    return LocalWorkerConnection(socket_fd, memory_fd)

@@ -1,0 +1,318 @@
+"""The worker loop: owns a contiguous block of environments and executes the learner's commands.
+
+It is backend-agnostic: a :class:`~clusterenv_core.transports.base.WorkerConnection` brings the
+messages, and results are written into the batch buffers the connection maps. Run as
+``python -m clusterenv_core.worker <backend> [backend arguments]``; the local backend starts it that
+way, and MPI jobs start it as the worker program of an MPMD launch.
+
+Autoreset modes (what a step does for an env whose episode ended):
+
+- ``same_step``: reset it in the same step; the step's observation is the reset observation and the
+  last one is a *final observation* (SB3's ``DummyVecEnv``, gymnasium 0.29, gymnasium 1.x SAME_STEP).
+- ``next_step``: the following step resets it instead of stepping (gymnasium 1.x NEXT_STEP).
+- ``disabled``: never reset automatically (gymnasium 1.x DISABLED).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+
+from clusterenv_core.protocol import STEP
+from clusterenv_core.transports.base import WorkerConnection
+
+class RemoteFailure(Exception):
+    """Raised inside the worker to report a failure with the env it happened in."""
+
+    def __init__(self, row: int | None, operation: str, error: BaseException) -> None:
+        super().__init__(operation)
+        self.row = row
+        self.operation = operation
+        self.error = error
+
+    def reply(self, first_index: int) -> tuple:
+        error = self.error
+        return (
+            "error",
+            {
+                "env_index": None if self.row is None else first_index + self.row,
+                "operation": self.operation,
+                "type": f"{type(error).__module__}.{type(error).__qualname__}",
+                "message": str(error),
+                "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            },
+        )
+
+
+class EnvBlock:
+    """The environments of one worker and the operations the learner can ask of them.
+
+    :param env_fns: factories of this block's environments
+    :param first_index: global index of the first of them
+    :param autoreset_mode: one of :data:`AUTORESET_MODES`
+    """
+
+    def __init__(self, env_fns: list, first_index: int, autoreset_mode: str) -> None:
+        self.first_index = first_index
+        self.autoreset_mode = autoreset_mode
+        self.envs = []
+        for row, env_fn in enumerate(env_fns):
+            try:
+                self.envs.append(env_fn())
+            except Exception as error:
+                raise RemoteFailure(row, "creating the env", error) from error
+        self.needs_reset = np.zeros(len(self.envs), dtype=bool)  # next_step mode: envs to reset at the next step
+        self.buffers = None
+        self.row0 = 0
+
+    def describe(self) -> dict:
+        """Spaces of every env and the metadata of the first, for the learner to check and lay out buffers."""
+        first = self.envs[0]
+        return {
+            "spaces": [(env.observation_space, env.action_space) for env in self.envs],
+            "metadata": first.metadata,
+            "render_mode": first.render_mode,
+            "spec": first.spec,
+        }
+
+    def attach(self, buffers, row0: int) -> None:
+        self.buffers = buffers
+        self.row0 = row0
+        self.obs_layout = buffers.obs_layout
+        self.final_layout = buffers.final_obs_layout
+        self.act_layout = buffers.act_layout
+
+    def step(self) -> dict | None:
+        """Step every env with its action row; returns what could not go through the buffers."""
+        buffers, mode = self.buffers, self.autoreset_mode
+        obs_layout, obs_arrays = self.obs_layout, buffers.obs
+        rewards, terminated, truncated = buffers.rewards, buffers.terminated, buffers.truncated
+        infos: dict[int, dict] = {}
+        reset_infos: dict[int, dict] = {}
+        final_obs: dict[int, Any] = {}
+        pickled_obs: dict[int, Any] = {}
+        for j, env in enumerate(self.envs):
+            row = self.row0 + j
+            index = self.first_index + j
+            try:
+                if mode == "next_step" and self.needs_reset[j]:
+                    obs, info = env.reset()
+                    reward, term, trunc = 0.0, False, False
+                else:
+                    obs, reward, term, trunc, info = env.step(self.act_layout.read(buffers.actions, row))
+                done = bool(term or trunc)
+                if done and mode == "same_step":
+                    if self.final_layout.buffered and self.final_layout.conforms(obs):
+                        self.final_layout.write(buffers.final_obs, row, obs)
+                    else:
+                        final_obs[index] = obs
+                    obs, reset_info = env.reset()
+                    if reset_info:
+                        reset_infos[index] = reset_info
+                elif mode == "next_step":
+                    self.needs_reset[j] = done
+            except Exception as error:
+                raise RemoteFailure(j, "step", error) from error
+            if obs_layout.buffered:
+                obs_layout.write(obs_arrays, row, obs)
+            else:
+                pickled_obs[index] = obs
+            rewards[row] = reward
+            terminated[row] = term
+            truncated[row] = trunc
+            if info:
+                infos[index] = info
+        return _payload(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
+
+    def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
+        """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options."""
+        infos: dict[int, dict] = {}
+        pickled_obs: dict[int, Any] = {}
+        for j, env in enumerate(self.envs):
+            if mask is not None and not mask[j]:
+                continue
+            try:
+                obs, info = env.reset(seed=seeds[j], options=options[j])
+            except Exception as error:
+                raise RemoteFailure(j, "reset", error) from error
+            self.needs_reset[j] = False
+            index = self.first_index + j
+            if self.obs_layout.buffered:
+                self.obs_layout.write(self.buffers.obs, self.row0 + j, obs)
+            else:
+                pickled_obs[index] = obs
+            if info:
+                infos[index] = info
+        return _payload(infos=infos, obs=pickled_obs)
+
+    def call(self, name: str, args: tuple, kwargs: dict, rows: list[int], require_callable: bool) -> list:
+        """Look ``name`` up through the wrappers of each selected env; call it if callable.
+
+        With ``require_callable`` (SB3's ``env_method``) a non-callable attribute is an error.
+        """
+        results = []
+        for j in rows:
+            try:
+                attribute = _get_wrapper_attr(self.envs[j], name)
+                if callable(attribute):
+                    results.append(attribute(*args, **kwargs))
+                elif require_callable:
+                    raise TypeError(f"attribute {name!r} of the env is not callable")
+                else:
+                    results.append(attribute)
+            except Exception as error:
+                raise RemoteFailure(j, f"call {name}", error) from error
+        return results
+
+    def get_attr(self, name: str, rows: list[int]) -> list:
+        results = []
+        for j in rows:
+            try:
+                results.append(_get_wrapper_attr(self.envs[j], name))
+            except Exception as error:
+                raise RemoteFailure(j, f"get_attr {name}", error) from error
+        return results
+
+    def set_attr(self, name: str, values: list, rows: list[int], through_wrappers: bool) -> None:
+        """Set ``name`` on each selected env: on the outer wrapper (SB3, gymnasium 0.29) or, with
+        ``through_wrappers``, on the wrapper that already defines it (gymnasium 1.x ``set_wrapper_attr``)."""
+        for j, value in zip(rows, values):
+            env = self.envs[j]
+            try:
+                if through_wrappers and hasattr(env, "set_wrapper_attr"):
+                    env.set_wrapper_attr(name, value)
+                else:
+                    setattr(env, name, value)
+            except Exception as error:
+                raise RemoteFailure(j, f"set_attr {name}", error) from error
+
+    def is_wrapped(self, wrapper_class: type, rows: list[int]) -> list[bool]:
+        results = []
+        for j in rows:
+            env = self.envs[j]
+            found = False
+            while hasattr(env, "env"):
+                if isinstance(env, wrapper_class):
+                    found = True
+                    break
+                env = env.env
+            results.append(found)
+        return results
+
+    def close(self) -> None:
+        errors = []
+        for j, env in enumerate(self.envs):
+            try:
+                env.close()
+            except Exception as error:
+                errors.append(RemoteFailure(j, "close", error))
+        self.envs = []
+        if errors:
+            raise errors[0]
+
+
+def _get_wrapper_attr(env: Any, name: str) -> Any:
+    # gymnasium >= 0.29 resolves attributes through the wrapper stack with get_wrapper_attr.
+    if hasattr(env, "get_wrapper_attr"):
+        return env.get_wrapper_attr(name)
+    return getattr(env, name)
+
+
+def _payload(**parts: dict) -> dict | None:
+    """Only the non-empty parts, or ``None`` when there is nothing to send."""
+    kept = {key: value for key, value in parts.items() if value}
+    return kept or None
+
+
+def serve(connection: WorkerConnection) -> int:
+    """Run the worker loop until the learner says ``close`` or goes away; returns the exit code."""
+    block: EnvBlock | None = None
+    try:
+        while True:
+            message = connection.recv()
+            if message is None:  # learner gone
+                return 0
+            if message == STEP:
+                try:
+                    connection.send_step(("ok", block.step()))
+                except RemoteFailure as failure:
+                    connection.send_step(failure.reply(block.first_index))
+                continue
+            op, payload = message
+            if op == "close":
+                reply: tuple = ("ok", None)
+                if block is not None:
+                    try:
+                        block.close()
+                    except RemoteFailure as failure:
+                        reply = failure.reply(block.first_index)
+                connection.send(reply)
+                return 0
+            try:
+                if op == "init":
+                    block = _create_block(payload)
+                    result = block.describe()
+                else:
+                    result = _control(block, op, payload, connection)
+                reply = ("ok", result)
+            except RemoteFailure as failure:
+                reply = failure.reply(payload["first_index"] if block is None else block.first_index)
+            except Exception as error:  # a bug or a bad message: report it rather than die silently
+                reply = RemoteFailure(None, op, error).reply(0)
+            connection.send(reply)
+    finally:
+        if block is not None:
+            try:
+                block.close()
+            except RemoteFailure:
+                pass
+        connection.close()
+
+
+def _create_block(payload: dict) -> EnvBlock:
+    # The learner's import path, so factories pickled by reference find their modules.
+    sys.path.extend(path for path in payload["sys_path"] if path not in sys.path)
+    env_fns = []
+    for row, pickled in enumerate(payload["env_fns"]):
+        try:
+            env_fns.append(pickle.loads(pickled))
+        except Exception as error:
+            raise RemoteFailure(row, "unpickling the env factory", error) from error
+    return EnvBlock(env_fns, payload["first_index"], payload["autoreset_mode"])
+
+
+def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnection) -> Any:
+    if op == "attach":
+        buffers, row0 = connection.attach(payload["spec"], payload["block"])
+        block.attach(buffers, row0)
+        return None
+    if op == "reset":
+        return block.reset(payload["seeds"], payload["options"], payload["mask"])
+    if op == "call":
+        return block.call(payload["name"], payload["args"], payload["kwargs"], payload["rows"], payload["require_callable"])
+    if op == "get_attr":
+        return block.get_attr(payload["name"], payload["rows"])
+    if op == "set_attr":
+        return block.set_attr(payload["name"], payload["values"], payload["rows"], payload["through_wrappers"])
+    if op == "is_wrapped":
+        return block.is_wrapped(payload["wrapper_class"], payload["rows"])
+    raise ValueError(f"unknown command {op!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m clusterenv_core.worker <backend> [backend arguments]``."""
+    from clusterenv_core.transports import worker_connection
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m clusterenv_core.worker <backend> [backend arguments]", file=sys.stderr)
+        return 2
+    return serve(worker_connection(argv[0], argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``ClusterVecEnv``: a Stable-Baselines3 ``VecEnv`` whose environments run on ClusterEnv workers."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
+
+from clusterenv_core import DEFAULT_TIMEOUT, EnvPool
+
+
+class ClusterVecEnv(VecEnv):
+    """Drop-in for ``DummyVecEnv``/``SubprocVecEnv``: same results as ``DummyVecEnv``, envs on workers.
+
+    ``step_async`` returns at once while the workers step their blocks of envs in parallel. Episodes
+    reset automatically as in ``DummyVecEnv``: the info of a finished env holds
+    ``terminal_observation`` and ``TimeLimit.truncated``, and ``reset_infos`` the reset's info.
+    Envs receive actions in the action space's dtype.
+
+    :param env_fns: callables that build the environments (closures work: they are cloudpickled)
+    :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
+    :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
+    :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
+    :param options: backend options (see the backend's transport class)
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], gym.Env]],
+        backend: str = "local",
+        num_workers: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        **options: Any,
+    ) -> None:
+        self.pool = EnvPool(
+            env_fns,
+            backend=backend,
+            num_workers=num_workers,
+            timeout=timeout,
+            autoreset_mode="same_step",
+            backend_options=options,
+        )
+        try:
+            super().__init__(self.pool.num_envs, self.pool.observation_space, self.pool.action_space)
+        except BaseException:
+            self.pool.close()
+            raise
+        self.metadata = self.pool.metadata
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self.pool.step_async(actions)
+
+    def step_wait(self) -> VecEnvStepReturn:
+        result = self.pool.step_wait()
+        dones = result.terminated | result.truncated
+        infos: list[dict[str, Any]] = []
+        for index in range(self.num_envs):
+            info = result.infos.get(index, {})
+            info["TimeLimit.truncated"] = bool(result.truncated[index] and not result.terminated[index])
+            if dones[index]:
+                info["terminal_observation"] = result.final_observation(index)
+                self.reset_infos[index] = result.reset_infos.get(index, {})
+            infos.append(info)
+        # DummyVecEnv keeps rewards in a float32 buffer.
+        return self._copy_obs(result.obs), result.rewards.astype(np.float32), dones, infos
+
+    def reset(self) -> VecEnvObs:
+        options = [options or None for options in self._options]
+        result = self.pool.reset(seeds=self._seeds, options=options)
+        self.reset_infos = [result.infos.get(index, {}) for index in range(self.num_envs)]
+        # Seeds and options are used once, as in DummyVecEnv.
+        self._reset_seeds()
+        self._reset_options()
+        return self._copy_obs(result.obs)
+
+    def _copy_obs(self, obs: Any) -> VecEnvObs:
+        if isinstance(obs, dict):
+            return OrderedDict((key, value.copy()) for key, value in obs.items())
+        if isinstance(obs, tuple):
+            return tuple(value.copy() for value in obs)
+        return obs.copy()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        if self.render_mode != "rgb_array":
+            warnings.warn(
+                f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images."
+            )
+            return [None for _ in range(self.num_envs)]
+        return self.pool.call("render")
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        return self.pool.get_attr(attr_name, indices=self._get_indices(indices))
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        target = list(self._get_indices(indices))
+        self.pool.set_attr(attr_name, [value] * len(target), indices=target)
+
+    def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any) -> list[Any]:
+        return self.pool.call(
+            method_name, *method_args, indices=self._get_indices(indices), require_callable=True, **method_kwargs
+        )
+
+    def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
+        return self.pool.env_is_wrapped(wrapper_class, indices=self._get_indices(indices))

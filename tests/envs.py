@@ -1,0 +1,124 @@
+"""Environments the tests run on workers: a structured env, and envs that fail on purpose."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class DictObsEnv(gym.Env):
+    """Dict observations, continuous actions, random termination, infos on some steps.
+
+    Wrap in ``TimeLimit`` to get truncation.
+    """
+
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, render_mode: str | None = None) -> None:
+        self.observation_space = spaces.Dict(
+            {
+                "position": spaces.Box(-10.0, 10.0, (3,), np.float32),
+                "velocity": spaces.Box(-1.0, 1.0, (2,), np.float64),
+                "mode": spaces.Discrete(4),
+                "flags": spaces.MultiBinary(3),
+            }
+        )
+        self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.render_mode = render_mode
+        self.position = np.zeros(3, np.float32)
+        self.steps = 0
+
+    def _obs(self) -> dict:
+        return {
+            "position": self.position.copy(),
+            "velocity": self.np_random.uniform(-1, 1, 2),
+            "mode": np.int64(self.steps % 4),
+            "flags": self.np_random.integers(0, 2, 3, dtype=np.int8),
+        }
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.position = self.np_random.uniform(-1, 1, 3).astype(np.float32)
+        self.steps = 0
+        info = {"start": self.position.copy()} if options is None else {"options": dict(options)}
+        return self._obs(), info
+
+    def step(self, action):
+        self.steps += 1
+        self.position[:2] += np.asarray(action, np.float32)
+        reward = float(-np.abs(self.position).sum() + self.np_random.normal())
+        terminated = bool(self.np_random.random() < 0.04)
+        info = {"steps": self.steps} if self.steps % 3 == 0 else {}
+        if self.steps % 7 == 0:
+            info["vector"] = self.position.copy()
+        return self._obs(), reward, terminated, False, info
+
+    def render(self):
+        return np.full((8, 8, 3), self.steps % 255, np.uint8)
+
+
+def make_dict_env(max_episode_steps: int = 25):
+    return gym.wrappers.TimeLimit(DictObsEnv(render_mode="rgb_array"), max_episode_steps=max_episode_steps)
+
+
+class FailingEnv(gym.Wrapper):
+    """Raises ``ValueError`` at step ``fail_at`` of its lifetime (counting every step)."""
+
+    def __init__(self, env: gym.Env, fail_at: int) -> None:
+        super().__init__(env)
+        self.fail_at = fail_at
+        self.total_steps = 0
+
+    def step(self, action):
+        self.total_steps += 1
+        if self.total_steps == self.fail_at:
+            raise ValueError(f"injected failure at step {self.total_steps}")
+        return self.env.step(action)
+
+
+class SuicidalEnv(gym.Wrapper):
+    """Kills its own process at step ``die_at`` (as a segfault in native env code would)."""
+
+    def __init__(self, env: gym.Env, die_at: int) -> None:
+        super().__init__(env)
+        self.die_at = die_at
+        self.total_steps = 0
+
+    def step(self, action):
+        self.total_steps += 1
+        if self.total_steps == self.die_at:
+            os.kill(os.getpid(), 9)
+        return self.env.step(action)
+
+
+class HangingEnv(gym.Wrapper):
+    """Sleeps for an hour at step ``hang_at``."""
+
+    def __init__(self, env: gym.Env, hang_at: int) -> None:
+        super().__init__(env)
+        self.hang_at = hang_at
+        self.total_steps = 0
+
+    def step(self, action):
+        self.total_steps += 1
+        if self.total_steps == self.hang_at:
+            time.sleep(3600)
+        return self.env.step(action)
+
+
+class BusyCartPole(gym.Wrapper):
+    """CartPole whose step busy-waits ``busy_us`` microseconds (a stand-in for a costly simulator)."""
+
+    def __init__(self, busy_us: float = 200.0) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.busy_s = busy_us * 1e-6
+
+    def step(self, action):
+        end = time.perf_counter() + self.busy_s
+        while time.perf_counter() < end:
+            pass
+        return self.env.step(action)
