@@ -216,8 +216,11 @@ class EnvPool:
         self._check_usable()
         if not self._stepping:
             raise ClusterEnvError("step_wait called without step_async")
-        payloads = self._gather(sorted(self._awaiting), "step", step=True)
-        self._stepping = False
+        try:
+            payloads = self._gather(sorted(self._awaiting), "step", step=True)
+        finally:
+            # Interrupted (Ctrl-C) with replies unread, the step stays pending and step_wait resumes it.
+            self._stepping = bool(self._awaiting)
         infos: dict[int, dict] = {}
         reset_infos: dict[int, dict] = {}
         final_obs: dict[int, Any] = {}
@@ -469,9 +472,10 @@ def _shutdown(transport: Transport, awaiting: set[int]) -> None:
 
     Kept apart from the pool so that it can run as the pool's finalizer at interpreter exit.
     """
-    started = getattr(transport, "num_workers", 0)
     asked = []
-    for worker in range(started):
+    for worker in range(transport.num_workers):
+        if worker in transport.failed:
+            continue
         try:
             while worker in awaiting:  # a pending reply first, so the close reply is the next one
                 transport.recv(worker, _CLOSE_TIMEOUT)

@@ -25,6 +25,8 @@ class Transport(ABC):
     """
 
     num_workers: int
+    #: workers that timed out or were lost; they get no more messages and ``close`` kills them at once
+    failed: set[int]
 
     @abstractmethod
     def start(self, num_workers: int, timeout: float) -> None:

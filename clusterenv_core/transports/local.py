@@ -114,6 +114,7 @@ class LocalTransport(Transport):
         self.sockets: list[_MessageSocket] = []
         self.memory_fd: int | None = None
         self.memory: mmap.mmap | None = None
+        self.failed: set[int] = set()
 
     @property
     def num_workers(self) -> int:
@@ -153,6 +154,7 @@ class LocalTransport(Transport):
         except EOFError:
             raise self._lost(worker, "its connection closed") from None
         except TimeoutError:
+            self.failed.add(worker)
             raise WorkerTimeoutError(
                 f"worker {worker} (pid {self.processes[worker].pid}) did not answer within {timeout:g} s"
             ) from None
@@ -166,6 +168,7 @@ class LocalTransport(Transport):
             raise EOFError
 
     def _lost(self, worker: int, why: str) -> WorkerLostError:
+        self.failed.add(worker)
         process = self.processes[worker]
         try:
             code = process.wait(timeout=1.0)
@@ -182,6 +185,8 @@ class LocalTransport(Transport):
 
     def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        for worker in self.failed:
+            self.processes[worker].kill()
         for process in self.processes:
             try:
                 process.wait(timeout=max(deadline - time.monotonic(), 0.0))

@@ -1,0 +1,223 @@
+"""Failures reach the learner as clear errors, never as hangs, and close() cleans up everything."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import psutil
+import pytest
+
+from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
+from tests.envs import FailingEnv, HangingEnv, SuicidalEnv
+
+CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+
+
+def _wrapped(wrapper, **kwargs):
+    return wrapper(gym.make("CartPole-v1"), **kwargs)
+
+
+def _children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture
+def no_leaks():
+    """Every test leaves no child process and no /dev/shm entry behind."""
+    children, shm = _children(), _shm_entries()
+    yield
+    deadline = time.monotonic() + 5
+    while _children() - children and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _children() - children == set(), "worker processes left behind"
+    assert _shm_entries() - shm == set(), "shared-memory segments left behind"
+
+
+def _step_zeros(pool: EnvPool):
+    return pool.step(np.zeros(pool.num_envs, dtype=np.int64))
+
+
+def test_env_exception_names_env_worker_and_remote_traceback(no_leaks):
+    env_fns = [CARTPOLE] * 4
+    env_fns[3] = functools.partial(_wrapped, FailingEnv, fail_at=2)
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset(seeds=[0, 1, 2, 3])
+    _step_zeros(pool)
+    with pytest.raises(EnvError) as caught:
+        _step_zeros(pool)
+    error = caught.value
+    assert (error.env_index, error.worker_index, error.exc_type) == (3, 1, "builtins.ValueError")
+    assert "env 3 on worker 1" in str(error)
+    assert "injected failure at step 2" in str(error)
+    assert "Traceback (most recent call last)" in error.remote_traceback
+    assert "in step" in error.remote_traceback
+    # The pool stays in sync and usable: the other worker's reply was consumed.
+    pool.reset()
+    _step_zeros(pool)
+    pool.close()
+
+
+def test_env_constructor_failure_names_the_index(no_leaks):
+    def broken():
+        raise RuntimeError("no such simulator")
+
+    with pytest.raises(EnvError, match="creating the env failed in env 2 on worker 1") as caught:
+        EnvPool([CARTPOLE, CARTPOLE, broken], num_workers=2)
+    assert "no such simulator" in caught.value.remote_traceback
+
+
+def test_unpicklable_factory_is_rejected_before_start(no_leaks):
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match=r"env_fns\[1\] cannot be pickled"):
+        EnvPool([CARTPOLE, lambda: (lock, gym.make("CartPole-v1"))[1]])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_workers": 0}, "num_workers"),
+        ({"num_workers": 3}, "num_workers"),
+        ({"timeout": 0}, "timeout"),
+        ({"autoreset_mode": "sometimes"}, "autoreset_mode"),
+        ({"backend": "carrier-pigeon"}, "unknown backend"),
+    ],
+)
+def test_bad_configuration_is_rejected(no_leaks, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EnvPool([CARTPOLE] * 2, **kwargs)
+
+
+def test_bad_actions_raise_before_anything_is_sent(no_leaks):
+    pool = EnvPool([CARTPOLE] * 3, num_workers=2)
+    pool.reset(seeds=[0, 1, 2])
+    for actions in (np.zeros(2, np.int64), np.zeros((3, 1), np.int64), np.array([0.0, np.nan, 1.0]), [0.5, 1, 0]):
+        with pytest.raises(ValueError):
+            pool.step(actions)
+    with pytest.raises(ValueError, match="seeds"):
+        pool.reset(seeds=[1, 2])
+    result = _step_zeros(pool)  # nothing was sent: the pool is still in step with its workers
+    assert result.rewards.tolist() == [1.0, 1.0, 1.0]
+    pool.close()
+
+
+def test_killed_worker_raises_worker_lost_on_next_call(no_leaks):
+    pool = EnvPool([CARTPOLE] * 4, num_workers=2)
+    pool.reset()
+    os.kill(pool._transport.processes[1].pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerLostError, match="worker 1 .* killed by SIGKILL"):
+        _step_zeros(pool)
+    assert time.monotonic() - started < 10
+    with pytest.raises(ClusterEnvError, match="unusable"):
+        pool.reset()
+    pool.close()
+
+
+def test_worker_dying_during_step_raises_worker_lost(no_leaks):
+    env_fns = [CARTPOLE, functools.partial(_wrapped, SuicidalEnv, die_at=3)]
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset()
+    _step_zeros(pool)
+    _step_zeros(pool)
+    started = time.monotonic()
+    with pytest.raises(WorkerLostError):
+        _step_zeros(pool)
+    assert time.monotonic() - started < 10
+    pool.close()
+
+
+def test_stuck_env_times_out_and_close_kills_it(no_leaks):
+    env_fns = [CARTPOLE, functools.partial(_wrapped, HangingEnv, hang_at=1)]
+    pool = EnvPool(env_fns, num_workers=2, timeout=1.0)
+    pool.reset()
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match="did not answer within 1 s"):
+        _step_zeros(pool)
+    assert 1.0 <= time.monotonic() - started < 3.0
+    started = time.monotonic()
+    pool.close()
+    assert time.monotonic() - started < 5
+
+
+def test_close_is_idempotent_and_calls_after_close_fail(no_leaks):
+    pool = EnvPool([CARTPOLE] * 2, num_workers=2)
+    pids = [process.pid for process in pool._transport.processes]
+    pool.close()
+    pool.close()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    with pytest.raises(ClusterEnvError, match="closed"):
+        pool.reset()
+
+
+def test_close_during_pending_step(no_leaks):
+    pool = EnvPool([CARTPOLE] * 4, num_workers=2)
+    pool.reset()
+    pool.step_async(np.zeros(4, np.int64))
+    pool.close()
+
+
+def test_no_network_port_is_opened(no_leaks):
+    with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:
+        pool.reset()
+        processes = [psutil.Process()] + [psutil.Process(p.pid) for p in pool._transport.processes]
+        for process in processes:
+            assert process.net_connections(kind="inet") == []
+
+
+def test_interpreter_exit_closes_the_pool(no_leaks, tmp_path):
+    script = tmp_path / "forget_to_close.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gymnasium as gym, functools
+            from clusterenv_core import EnvPool
+            pool = EnvPool([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=2)
+            pool.reset()
+            print(*[p.pid for p in pool._transport.processes])
+            """
+        )
+    )
+    output = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    pids = [int(pid) for pid in output.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
+    script = tmp_path / "learner.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gymnasium as gym, functools, sys, time
+            from clusterenv_core import EnvPool
+            pool = EnvPool([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=2)
+            pool.reset()
+            print(*[p.pid for p in pool._transport.processes], flush=True)
+            time.sleep(60)
+            """
+        )
+    )
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in learner.stdout.readline().split()]
+    learner.kill()
+    learner.wait()
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(pid) for pid in pids), "workers outlived their learner"

@@ -1,0 +1,161 @@
+"""ClusterVecEnv returns exactly what DummyVecEnv returns, and trains to identical parameters."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("stable_baselines3")
+
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMonitor, VecNormalize  # noqa: E402
+
+from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
+from tests.compare import assert_same  # noqa: E402
+from tests.envs import make_dict_env  # noqa: E402
+
+STEPS = 2000
+
+
+def _run_side_by_side(env_fns, steps: int = STEPS, num_workers: int = 2, seed: int = 3) -> None:
+    expected = DummyVecEnv(env_fns)
+    actual = ClusterVecEnv(env_fns, num_workers=num_workers)
+    try:
+        expected.seed(seed)
+        actual.seed(seed)
+        assert_same(actual.reset(), expected.reset(), "reset obs")
+        assert_same(actual.reset_infos, expected.reset_infos, "reset_infos")
+        expected.action_space.seed(seed)
+        episodes_ended = 0
+        for t in range(steps):
+            actions = np.stack([expected.action_space.sample() for _ in range(expected.num_envs)])
+            want = expected.step(actions)
+            got = actual.step(actions)
+            for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
+                assert_same(g, w, f"{name} at step {t}")
+            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
+            episodes_ended += int(want[2].sum())
+        assert episodes_ended > 10, "the run must cover many automatic resets"
+    finally:
+        expected.close()
+        actual.close()
+
+
+def test_cartpole_matches_dummy_vec_env():
+    _run_side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8)
+
+
+def test_dict_obs_continuous_truncation_matches_dummy_vec_env():
+    # 5 envs on 2 workers: uneven blocks; the env truncates at 25 steps and terminates at random.
+    _run_side_by_side([make_dict_env] * 5)
+
+
+def test_reset_options_and_seed_match():
+    env_fns = [make_dict_env] * 3
+    expected, actual = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=3)
+    try:
+        for venv in (expected, actual):
+            venv.seed(11)
+            venv.set_options([{"level": 1}, {}, {"level": 3}])
+        assert_same(actual.reset(), expected.reset())
+        assert_same(actual.reset_infos, expected.reset_infos)
+        # Seeds and options are used once: the next reset is unseeded, without options.
+        actual.reset()
+        assert actual.reset_infos[0].keys() == {"start"}
+    finally:
+        expected.close()
+        actual.close()
+
+
+def _assert_same_run(actual, expected, steps: int, num_envs: int) -> None:
+    try:
+        assert_same(actual.reset(), expected.reset())
+        rng = np.random.default_rng(0)
+        for t in range(steps):
+            actions = rng.integers(0, 2, size=num_envs)
+            for name, g, w in zip(("obs", "rewards", "dones", "infos"), actual.step(actions), expected.step(actions)):
+                assert_same(g, w, f"{name} at step {t}")
+    finally:
+        expected.close()
+        actual.close()
+
+
+def test_make_vec_env_matches():
+    def build(vec_env_cls):
+        return make_vec_env("CartPole-v1", n_envs=6, seed=5, vec_env_cls=vec_env_cls)
+
+    _assert_same_run(build(ClusterVecEnv), build(DummyVecEnv), steps=300, num_envs=6)
+
+
+def test_vec_normalize_frame_stack_monitor_match():
+    def build(vec_env_cls):
+        venv = VecMonitor(vec_env_cls([functools.partial(gym.make, "CartPole-v1")] * 6))
+        venv.seed(5)
+        return VecNormalize(VecFrameStack(venv, n_stack=3))
+
+    _assert_same_run(build(ClusterVecEnv), build(DummyVecEnv), steps=500, num_envs=6)
+
+
+def test_attribute_access_and_methods():
+    env_fns = [make_dict_env] * 4
+    expected, actual = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=2)
+    try:
+        expected.reset()
+        actual.reset()
+        assert actual.render_mode == "rgb_array"
+        assert actual.get_attr("_max_episode_steps") == expected.get_attr("_max_episode_steps")
+        actual.set_attr("_max_episode_steps", 7, indices=[1, 3])
+        assert actual.get_attr("_max_episode_steps") == [25, 7, 25, 7]
+        assert actual.get_attr("steps", indices=2) == [0]
+        assert actual.env_method("render", indices=[3, 0])[0].shape == (8, 8, 3)
+        assert actual.env_is_wrapped(gym.wrappers.TimeLimit) == [True] * 4
+        assert actual.env_is_wrapped(gym.wrappers.RecordEpisodeStatistics) == [False] * 4
+        assert actual.has_attr("steps") and not actual.has_attr("no_such_attribute")
+        with pytest.raises(AttributeError):
+            actual.get_attr("no_such_attribute")
+        assert_same(actual.get_images(), expected.get_images())
+        assert actual.render().shape == expected.render().shape
+        assert actual.seed(4) == expected.seed(4) == [4, 5, 6, 7]
+    finally:
+        expected.close()
+        actual.close()
+
+
+def test_step_async_returns_before_workers_finish():
+    from tests.envs import BusyCartPole
+
+    import time
+
+    venv = ClusterVecEnv([functools.partial(BusyCartPole, busy_us=20_000)] * 2, num_workers=2)
+    try:
+        venv.reset()
+        started = time.perf_counter()
+        venv.step_async(np.zeros(2, dtype=np.int64))
+        returned = time.perf_counter() - started
+        venv.step_wait()
+        finished = time.perf_counter() - started
+        assert returned < 0.01 < finished
+    finally:
+        venv.close()
+
+
+@pytest.mark.slow
+def test_ppo_parameters_identical_to_dummy_vec_env():
+    import torch
+    from stable_baselines3 import PPO
+
+    def train(vec_env_cls):
+        venv = make_vec_env("CartPole-v1", n_envs=4, seed=0, vec_env_cls=vec_env_cls)
+        model = PPO("MlpPolicy", venv, n_steps=256, batch_size=256, n_epochs=2, seed=0, device="cpu")
+        model.learn(total_timesteps=4096)
+        venv.close()
+        return model.policy.state_dict()
+
+    torch.set_num_threads(1)
+    expected, actual = train(DummyVecEnv), train(ClusterVecEnv)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
