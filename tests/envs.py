@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -122,3 +123,33 @@ class BusyCartPole(gym.Wrapper):
         while time.perf_counter() < end:
             pass
         return self.env.step(action)
+
+
+class SpacesEnv(gym.Env):
+    """Observations in a given space (sampled from the env's RNG), any action space; ends every 9 steps.
+
+    Covers the buffered leaf spaces, nesting, and spaces that fall back to pickling.
+    """
+
+    def __init__(self, observation_space: spaces.Space, action_space: spaces.Space) -> None:
+        # Own copies: the env seeds its observation space, which must not be shared between envs.
+        self.observation_space = copy.deepcopy(observation_space)
+        self.action_space = copy.deepcopy(action_space)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), action
+        self.t += 1
+        return self.observation_space.sample(), float(self.t), self.t % 9 == 0, False, {}
+
+    def has_module(self, name: str) -> bool:
+        """Whether this worker process has imported module ``name``."""
+        import sys
+
+        return name in sys.modules

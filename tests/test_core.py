@@ -1,0 +1,156 @@
+"""The core pool on its own: space layouts, every supported space, imports, per-env access."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from clusterenv_core import EnvPool
+from clusterenv_core.spaces import SpaceLayout
+from tests.compare import assert_same
+from tests.envs import SpacesEnv
+
+BUFFERED = {
+    "box": spaces.Box(-1, 1, (2, 3), np.float32),
+    "discrete": spaces.Discrete(5, start=-2),
+    "multi_discrete": spaces.MultiDiscrete([3, 4, 5]),
+    "multi_binary": spaces.MultiBinary(4),
+    "dict": spaces.Dict({"a": spaces.Box(0, 1, (2,), np.float64), "b": spaces.Discrete(3)}),
+    "tuple": spaces.Tuple((spaces.MultiBinary(2), spaces.Dict({"c": spaces.Box(-5, 5, (), np.int32)}))),
+}
+PICKLED = {
+    "text": spaces.Text(8),
+    "sequence": spaces.Sequence(spaces.Box(0, 1, (2,), np.float32)),
+    "graph": spaces.Graph(spaces.Box(0, 1, (3,), np.float32), spaces.Discrete(2)),
+    "dict_with_text": spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Text(4)}),
+}
+
+
+@pytest.mark.parametrize("name", list(BUFFERED))
+def test_layout_round_trip(name):
+    space = BUFFERED[name]
+    layout = SpaceLayout(space, "obs")
+    assert layout.buffered
+    arrays = [np.zeros((3, *f.shape), f.dtype) for f in layout.fields]
+    space.seed(0)
+    values = [space.sample() for _ in range(3)]
+    for row, value in enumerate(values):
+        assert layout.conforms(value)
+        layout.write(arrays, row, value)
+    for row, value in enumerate(values):
+        assert_same(layout.read(arrays, row), value)
+    batch = layout.batch(arrays)
+    assert_same(batch, gym.vector.utils.concatenate(space, values, gym.vector.utils.create_empty_array(space, 3)))
+
+
+@pytest.mark.parametrize("name", list(PICKLED))
+def test_unbuffered_spaces_have_no_fields(name):
+    assert not SpaceLayout(PICKLED[name], "obs").buffered
+
+
+def test_check_batch_rejects_bad_actions():
+    layout = SpaceLayout(spaces.Dict({"d": spaces.Discrete(3), "b": spaces.Box(-1, 1, (2,))}), "act")
+    good = {"d": np.array([0, 2]), "b": np.zeros((2, 2), np.float32)}
+    # gymnasium sorts Dict keys: fields are b, d
+    assert [a.shape for a in layout.check_batch(good, 2)] == [(2, 2), (2,)]
+    for bad in (
+        {"d": np.array([0, 2])},
+        {"d": np.array([0, 2, 1]), "b": np.zeros((2, 2))},
+        {"d": np.array([0.0, np.nan]), "b": np.zeros((2, 2))},
+        {"d": np.array([0.5, 1.0]), "b": np.zeros((2, 2))},
+        {"d": np.array(["a", "b"]), "b": np.zeros((2, 2))},
+        {"d": np.array([0, 1]), "b": np.array([["x", "y"], ["z", "w"]])},
+    ):
+        with pytest.raises(ValueError):
+            layout.check_batch(bad, 2)
+
+
+def _reference_run(env_fns, actions, seeds):
+    """What a pool in same_step mode must produce, computed in this process."""
+    envs = [fn() for fn in env_fns]
+    obs = [env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]
+    steps = []
+    for batch in actions:
+        out = []
+        for env, action in zip(envs, batch):
+            o, r, term, trunc, _ = env.step(action)
+            final = o if term or trunc else None
+            if term or trunc:
+                o, _ = env.reset()
+            out.append((o, r, term, trunc, final))
+        steps.append(out)
+    return obs, steps
+
+
+@pytest.mark.parametrize("obs_name", ["tuple", "multi_discrete", "text", "graph", "dict_with_text"])
+def test_pool_carries_every_space(obs_name):
+    obs_space = {**BUFFERED, **PICKLED}[obs_name]
+    action_space = spaces.Tuple((spaces.MultiDiscrete([2, 3]), spaces.MultiBinary(2)))
+    env_fns = [functools.partial(SpacesEnv, obs_space, action_space)] * 3
+    action_space.seed(0)
+    actions = [[action_space.sample() for _ in range(3)] for _ in range(30)]
+    batched = [
+        (np.stack([a[0] for a in batch]), np.stack([a[1] for a in batch])) for batch in actions
+    ]
+    reference_obs, reference_steps = _reference_run(env_fns, actions, seeds=[7, 8, 9])
+    layout = SpaceLayout(obs_space, "obs")
+    with EnvPool(env_fns, num_workers=2) as pool:
+        result = pool.reset(seeds=[7, 8, 9])
+
+        def rows(obs):
+            return [layout.read(pool.buffers.obs, i) for i in range(3)] if layout.buffered else list(obs)
+
+        assert_same(rows(result.obs), reference_obs)
+        for batch, expected in zip(batched, reference_steps):
+            result = pool.step(batch)
+            assert_same(rows(result.obs), [e[0] for e in expected])
+            assert result.rewards.tolist() == [e[1] for e in expected]
+            assert result.terminated.tolist() == [e[2] for e in expected]
+            for i, e in enumerate(expected):
+                if e[4] is not None:
+                    assert_same(result.final_observation(i), e[4])
+
+
+def test_call_get_set_attr_order_and_indices():
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 5
+    with EnvPool(env_fns, num_workers=2) as pool:
+        pool.set_attr("marker", ["a", "b", "c"], indices=[4, 0, 2])
+        assert pool.get_attr("marker", indices=[0, 2, 4]) == ["b", "c", "a"]
+        assert pool.call("has_wrapper_attr", "marker", indices=[-1]) == [True]
+        assert pool.get_attr("spec", indices=[3])[0].id == "CartPole-v1"
+        with pytest.raises(IndexError):
+            pool.get_attr("spec", indices=[5])
+
+
+def test_workers_import_torch_only_if_env_does():
+    env_fns = [functools.partial(SpacesEnv, spaces.Discrete(2), spaces.Discrete(2))] * 2
+    with EnvPool(env_fns, num_workers=2) as pool:
+        assert pool.call("has_module", "torch") == [False, False]
+        assert pool.call("has_module", "stable_baselines3") == [False, False]
+
+
+def test_core_imports_without_torch_or_sb3():
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'stable_baselines3', 'cleanrl'):\n"
+        "    sys.modules[name] = None  # makes any import of it fail\n"
+        "import clusterenv_core, clusterenv_core.worker, clusterenv_core.transports.local\n"
+        "print('ok')\n"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert output.stdout.strip() == "ok", output.stderr
+
+
+def test_make_from_env_id_and_partial_reset():
+    with EnvPool.make("CartPole-v1", 4, num_workers=2, autoreset_mode="disabled") as pool:
+        first = pool.reset(seeds=[1, 2, 3, 4]).obs.copy()
+        mask = np.array([False, True, False, False])
+        second = pool.reset(seeds=[None, 9, None, None], mask=mask).obs
+        assert np.array_equal(second[~mask], first[~mask])
+        assert not np.array_equal(second[1], first[1])
