@@ -12,6 +12,8 @@ for a ``Dict`` space and a ``tuple`` for a ``Tuple`` space.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,21 @@ class SpaceLayout:
             children = [self._build(sub, f"{name}.{i}") for i, sub in enumerate(space.spaces)]
             return None if any(c is None for c in children) else ("tuple", children)
         return None
+
+    def writer(self, arrays: list[np.ndarray]) -> Callable[[int, Any], None]:
+        """A function ``(row, value)`` storing into ``arrays``; a bare ``__setitem__`` for one-field spaces."""
+        if isinstance(self._tree, int):
+            return arrays[self._tree].__setitem__
+        return functools.partial(self.write, arrays)
+
+    def reader(self, arrays: list[np.ndarray]) -> Callable[[int], Any]:
+        """A function ``row -> value`` equivalent to :meth:`read`, with no tree walk for one-field spaces."""
+        if isinstance(self._tree, int):
+            array = arrays[self._tree]
+            if array.ndim == 1:
+                return array.__getitem__  # numpy scalars are immutable: no copy needed
+            return lambda row: array[row].copy()
+        return functools.partial(self.read, arrays)
 
     def batch(self, arrays: list[np.ndarray]) -> Any:
         """The batched value whose leaves are ``arrays`` (one per field, in field order)."""

@@ -84,48 +84,60 @@ class EnvBlock:
         self.row0 = row0
         self.obs_layout = buffers.obs_layout
         self.final_layout = buffers.final_obs_layout
-        self.act_layout = buffers.act_layout
+        self.write_obs = buffers.obs_layout.writer(buffers.obs)
+        self.write_final_obs = buffers.final_obs_layout.writer(buffers.final_obs)
+        self.read_action = buffers.act_layout.reader(buffers.actions)
+        self.rows = slice(row0, row0 + len(self.envs))
 
     def step(self) -> dict | None:
         """Step every env with its action row; returns what could not go through the buffers."""
-        buffers, mode = self.buffers, self.autoreset_mode
-        obs_layout, obs_arrays = self.obs_layout, buffers.obs
-        rewards, terminated, truncated = buffers.rewards, buffers.terminated, buffers.truncated
+        same_step, next_step = self.autoreset_mode == "same_step", self.autoreset_mode == "next_step"
+        buffered_obs, buffered_final = self.obs_layout.buffered, self.final_layout.buffered
+        write_obs, read_action = self.write_obs, self.read_action
+        rewards, terminations, truncations = [], [], []
         infos: dict[int, dict] = {}
         reset_infos: dict[int, dict] = {}
         final_obs: dict[int, Any] = {}
         pickled_obs: dict[int, Any] = {}
+        row = self.row0
         for j, env in enumerate(self.envs):
-            row = self.row0 + j
             index = self.first_index + j
             try:
-                if mode == "next_step" and self.needs_reset[j]:
+                if next_step and self.needs_reset[j]:
                     obs, info = env.reset()
                     reward, term, trunc = 0.0, False, False
                 else:
-                    obs, reward, term, trunc, info = env.step(self.act_layout.read(buffers.actions, row))
-                done = bool(term or trunc)
-                if done and mode == "same_step":
-                    if self.final_layout.buffered and self.final_layout.conforms(obs):
-                        self.final_layout.write(buffers.final_obs, row, obs)
-                    else:
-                        final_obs[index] = obs
-                    obs, reset_info = env.reset()
-                    if reset_info:
-                        reset_infos[index] = reset_info
-                elif mode == "next_step":
-                    self.needs_reset[j] = done
+                    obs, reward, term, trunc, info = env.step(read_action(row))
+                if term or trunc:
+                    if same_step:
+                        if buffered_final and self.final_layout.conforms(obs):
+                            self.write_final_obs(row, obs)
+                        else:
+                            final_obs[index] = obs
+                        obs, reset_info = env.reset()
+                        if reset_info:
+                            reset_infos[index] = reset_info
+                    elif next_step:
+                        self.needs_reset[j] = True
+                elif next_step:
+                    self.needs_reset[j] = False
             except Exception as error:
                 raise RemoteFailure(j, "step", error) from error
-            if obs_layout.buffered:
-                obs_layout.write(obs_arrays, row, obs)
+            if buffered_obs:
+                write_obs(row, obs)
             else:
                 pickled_obs[index] = obs
-            rewards[row] = reward
-            terminated[row] = term
-            truncated[row] = trunc
+            rewards.append(reward)
+            terminations.append(term)
+            truncations.append(trunc)
             if info:
                 infos[index] = info
+            row += 1
+        # One conversion per block instead of one numpy item assignment per env.
+        buffers = self.buffers
+        buffers.rewards[self.rows] = rewards
+        buffers.terminated[self.rows] = terminations
+        buffers.truncated[self.rows] = truncations
         return _payload(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
@@ -142,7 +154,7 @@ class EnvBlock:
             self.needs_reset[j] = False
             index = self.first_index + j
             if self.obs_layout.buffered:
-                self.obs_layout.write(self.buffers.obs, self.row0 + j, obs)
+                self.write_obs(self.row0 + j, obs)
             else:
                 pickled_obs[index] = obs
             if info:
