@@ -22,7 +22,7 @@ import numpy as np
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.transports import Transport, make_transport
-from clusterenv_core.protocol import AUTORESET_MODES
+from clusterenv_core.protocol import AUTORESET_MODES, RESTART_INFO_KEY
 
 DEFAULT_TIMEOUT = 60.0
 _CLOSE_TIMEOUT = 5.0
@@ -83,7 +83,18 @@ class EnvPool:
         :class:`~clusterenv_core.errors.WorkerTimeoutError`; a worker that dies is reported sooner
     :param autoreset_mode: ``"same_step"``, ``"next_step"`` or ``"disabled"``
         (see :mod:`clusterenv_core.worker`)
+    :param restart_failed_envs: replace an env that raises in ``step`` by a new one from its factory
+        instead of raising :class:`~clusterenv_core.errors.EnvError`
+    :param restart_failed_workers: replace a worker that dies or times out during a step by a new
+        one (local backend) instead of raising :class:`~clusterenv_core.errors.WorkerLostError`
+    :param max_restarts: how many times one env, or one worker, may be replaced; the next failure
+        raises its error
     :param backend_options: keyword arguments of the backend's transport
+
+    A replaced env or worker ends its interrupted episodes as truncated, with the reason under the
+    info key :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`; :attr:`restarts` counts them. Both are
+    off by default: a restart changes the data a run sees (an episode cut short, a fresh env RNG), so
+    it is opted into, never silent.
     """
 
     def __init__(
@@ -94,6 +105,9 @@ class EnvPool:
         num_workers: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         autoreset_mode: str = "same_step",
+        restart_failed_envs: bool = False,
+        restart_failed_workers: bool = False,
+        max_restarts: int = 3,
         backend_options: dict[str, Any] | None = None,
     ) -> None:
         env_fns = list(env_fns)
@@ -113,11 +127,19 @@ class EnvPool:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, (int, np.integer)) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
 
         self.num_envs = num_envs
         self.num_workers = int(num_workers)
         self.timeout = float(timeout)
         self.autoreset_mode = autoreset_mode
+        self.restart_failed_envs = bool(restart_failed_envs)
+        self.restart_failed_workers = bool(restart_failed_workers)
+        self.max_restarts = int(max_restarts)
+        #: how many envs and workers were replaced so far
+        self.restarts = {"envs": 0, "workers": 0}
+        self._worker_restarts = [0] * self.num_workers
         self.blocks = _blocks(num_envs, self.num_workers)
         self.worker_of = np.repeat(np.arange(self.num_workers), [len(block) for block in self.blocks])
         # Serialize before anything starts, so an unpicklable factory fails here and names itself.
@@ -128,6 +150,7 @@ class EnvPool:
         self._awaiting: set[int] = set()  # workers whose reply to the last message is still unread
         self._failure: ClusterEnvError | None = None
         self._stepping = False
+        self._lost_in_step: dict[int, ClusterEnvError] = {}  # workers to replace before the step completes
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._transport, self._awaiting)
         try:
@@ -148,14 +171,19 @@ class EnvPool:
 
     def _start(self, pickled_blocks: list[list[bytes]]) -> None:
         self._transport.start(self.num_workers, self.timeout)
-        for worker, block in enumerate(self.blocks):
-            payload = {
+        self._init_payloads = [
+            {
                 "env_fns": pickled_blocks[worker],
                 "first_index": block.start,
                 "autoreset_mode": self.autoreset_mode,
+                "max_env_restarts": self.max_restarts if self.restart_failed_envs else 0,
+                "restarted": False,
                 "sys_path": list(sys.path),
             }
-            self._send(worker, ("init", payload))
+            for worker, block in enumerate(self.blocks)
+        ]
+        for worker in range(self.num_workers):
+            self._send(worker, ("init", self._init_payloads[worker]))
         descriptions = self._gather(range(self.num_workers), "creating the envs")
         spaces = [pair for worker in range(self.num_workers) for pair in descriptions[worker]["spaces"]]
         self.observation_space, self.action_space = spaces[0]
@@ -184,6 +212,12 @@ class EnvPool:
         self._act_layout = self.buffers.act_layout
         # Batched observations: views of the buffers, or per-env values for spaces without buffers.
         self._obs: Any = self._obs_layout.batch(self.buffers.obs) if self._obs_layout.buffered else [None] * self.num_envs
+        # Observations before the current step, kept only to end the episodes of a replaced worker.
+        self._obs_before_step: list[np.ndarray] | list = (
+            ([np.empty_like(a) for a in self.buffers.obs] if self._obs_layout.buffered else [])
+            if self.restart_failed_workers
+            else []
+        )
 
     # -- hot path ---------------------------------------------------------------------------------
 
@@ -197,19 +231,38 @@ class EnvPool:
         if self._stepping:
             raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
         self._drain()
-        if not self._act_layout.buffered:
-            raise ClusterEnvError(f"action space {self.action_space} has no buffer layout; it is not supported")
-        leaves = self._act_layout.check_batch(actions, self.num_envs)
-        for buffer, leaf in zip(self.buffers.actions, leaves):
-            buffer[...] = leaf
+        if self._act_layout.buffered:
+            leaves = self._act_layout.check_batch(actions, self.num_envs)
+            for buffer, leaf in zip(self.buffers.actions, leaves):
+                buffer[...] = leaf
+        else:
+            # Spaces without buffers (Text, Graph, ...): one action object per env, pickled.
+            actions = list(actions)
+            if len(actions) != self.num_envs:
+                raise ValueError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
+            for worker, block in enumerate(self.blocks):
+                self._send(worker, ("actions", {"actions": actions[block.start : block.stop]}))
+            self._gather(range(self.num_workers), "sending actions")
+        if self.restart_failed_workers:
+            self._remember_obs()
         transport = self._transport
-        try:
-            for worker in range(self.num_workers):
+        for worker in range(self.num_workers):
+            try:
                 transport.send_step(worker)
-                self._awaiting.add(worker)
-        except ClusterEnvError as error:
-            raise self._fail(error)
+            except (WorkerLostError, WorkerTimeoutError) as error:
+                if not self._may_replace(worker):
+                    raise self._fail(error)
+                self._lost_in_step[worker] = error
+                continue
+            self._awaiting.add(worker)
         self._stepping = True
+
+    def _remember_obs(self) -> None:
+        if self._obs_layout.buffered:
+            for kept, current in zip(self._obs_before_step, self.buffers.obs):
+                np.copyto(kept, current)
+        else:
+            self._obs_before_step = list(self._obs)
 
     def step_wait(self) -> StepResult:
         """Wait for the step started by :meth:`step_async` and return its results."""
@@ -218,9 +271,11 @@ class EnvPool:
             raise ClusterEnvError("step_wait called without step_async")
         try:
             payloads = self._gather(sorted(self._awaiting), "step", step=True)
+            for worker in sorted(self._lost_in_step):
+                payloads[worker] = self._replace_worker(worker, self._lost_in_step.pop(worker))
         finally:
             # Interrupted (Ctrl-C) with replies unread, the step stays pending and step_wait resumes it.
-            self._stepping = bool(self._awaiting)
+            self._stepping = bool(self._awaiting or self._lost_in_step)
         infos: dict[int, dict] = {}
         reset_infos: dict[int, dict] = {}
         final_obs: dict[int, Any] = {}
@@ -231,6 +286,8 @@ class EnvPool:
             reset_infos.update(payload.get("reset_infos", ()))
             final_obs.update(payload.get("final_obs", ()))
             self._store_pickled_obs(payload)
+        if self.restart_failed_envs:
+            self.restarts["envs"] += sum(RESTART_INFO_KEY in info for info in infos.values())
         buffers = self.buffers
         return StepResult(
             self._obs, buffers.rewards, buffers.terminated, buffers.truncated, infos, reset_infos, final_obs, buffers
@@ -388,7 +445,11 @@ class EnvPool:
             try:
                 status, payload = recv(worker, self.timeout)
             except (WorkerLostError, WorkerTimeoutError) as error:
-                raise self._fail(error)
+                if not (step and self._may_replace(worker)):
+                    raise self._fail(error)
+                self._awaiting.discard(worker)
+                self._lost_in_step[worker] = error
+                continue
             self._awaiting.discard(worker)
             if status == "error":
                 if first_error is None:
@@ -406,6 +467,55 @@ class EnvPool:
         if first_error is not None:
             raise first_error
         return payloads
+
+    def _may_replace(self, worker: int) -> bool:
+        return self.restart_failed_workers and self._worker_restarts[worker] < self.max_restarts
+
+    def _replace_worker(self, worker: int, error: ClusterEnvError) -> dict:
+        """Start a new worker for a lost one's envs and end their interrupted episodes as truncated.
+
+        Returns the step payload of the block. The episodes' last observations are those from
+        before the step. In ``same_step`` mode the new envs are reset now (unseeded); in
+        ``next_step`` mode they reset at their next step; in ``disabled`` mode the caller resets them.
+        """
+        try:
+            self._transport.restart(worker, self.timeout)
+        except NotImplementedError:
+            raise self._fail(error) from None
+        self._worker_restarts[worker] += 1
+        self.restarts["workers"] += 1
+        self._send(worker, ("init", dict(self._init_payloads[worker], restarted=True)))
+        self._gather([worker], "recreating the envs of a lost worker")
+        block = self.blocks[worker]
+        self._send(worker, ("attach", {"spec": self.batch_spec, "block": block}))
+        self._gather([worker], "attaching buffers")
+
+        layout, rows = self._obs_layout, slice(block.start, block.stop)
+        if layout.buffered:
+            previous = {i: layout.read(self._obs_before_step, i) for i in block}
+        else:
+            previous = {i: self._obs_before_step[i] for i in block}
+        reason = (
+            f"worker {worker} was replaced (restart {self._worker_restarts[worker]} of {self.max_restarts}) "
+            f"after: {error}"
+        )
+        payload: dict[str, dict] = {"infos": {i: {RESTART_INFO_KEY: reason} for i in block}}
+        if self.autoreset_mode == "same_step":
+            payload["final_obs"] = previous
+            self._send(worker, ("reset", {"seeds": [None] * len(block), "options": [None] * len(block), "mask": None}))
+            reset = self._gather([worker], "resetting the envs of a lost worker")[worker] or {}
+            payload["reset_infos"] = reset.get("infos", {})
+            if "obs" in reset:
+                payload["obs"] = reset["obs"]
+        elif layout.buffered:
+            for kept, current in zip(self._obs_before_step, self.buffers.obs):
+                current[rows] = kept[rows]
+        else:
+            payload["obs"] = previous
+        self.buffers.rewards[rows] = 0.0
+        self.buffers.terminated[rows] = False
+        self.buffers.truncated[rows] = True
+        return payload
 
     def _drain(self) -> None:
         """Read replies left unread by an interrupted call, so requests and replies stay paired."""

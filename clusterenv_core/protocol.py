@@ -13,6 +13,9 @@ STEP = "step"
 
 AUTORESET_MODES = ("same_step", "next_step", "disabled")
 
+RESTART_INFO_KEY = "clusterenv_restart"
+"""Info key of a step whose episode was cut short because its env or worker was replaced; the value says why."""
+
 
 def dumps(obj: Any) -> bytes:
     """Pickle with the standard pickler, falling back to cloudpickle for closures and lambdas."""

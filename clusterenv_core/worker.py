@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterenv_core.protocol import STEP
+from clusterenv_core.protocol import RESTART_INFO_KEY, STEP
 from clusterenv_core.transports.base import WorkerConnection
 
 class RemoteFailure(Exception):
@@ -53,21 +53,34 @@ class EnvBlock:
 
     :param env_fns: factories of this block's environments
     :param first_index: global index of the first of them
-    :param autoreset_mode: one of :data:`AUTORESET_MODES`
+    :param autoreset_mode: one of :data:`~clusterenv_core.protocol.AUTORESET_MODES`
+    :param max_env_restarts: how many times one env that raises in ``step`` may be replaced by a
+        new one from its factory (0: never; the error goes to the learner)
+    :param restarted: this block replaces a lost worker's; in ``next_step`` mode its envs reset at
+        their next step
     """
 
-    def __init__(self, env_fns: list, first_index: int, autoreset_mode: str) -> None:
+    def __init__(
+        self, env_fns: list, first_index: int, autoreset_mode: str, max_env_restarts: int = 0, restarted: bool = False
+    ) -> None:
+        self.env_fns = env_fns
         self.first_index = first_index
         self.autoreset_mode = autoreset_mode
-        self.envs = []
-        for row, env_fn in enumerate(env_fns):
-            try:
-                self.envs.append(env_fn())
-            except Exception as error:
-                raise RemoteFailure(row, "creating the env", error) from error
-        self.needs_reset = np.zeros(len(self.envs), dtype=bool)  # next_step mode: envs to reset at the next step
+        self.max_env_restarts = max_env_restarts
+        self.env_restarts = [0] * len(env_fns)
+        self.envs = [self._make_env(row) for row in range(len(env_fns))]
+        # next_step mode: envs to reset at their next step.
+        self.needs_reset = np.full(len(self.envs), restarted and autoreset_mode == "next_step")
+        self.pending_actions: list | None = None  # actions of spaces without buffers, sent before the step
+        self.last_pickled_obs: list = [None] * len(self.envs)  # observations of spaces without buffers
         self.buffers = None
         self.row0 = 0
+
+    def _make_env(self, row: int) -> Any:
+        try:
+            return self.env_fns[row]()
+        except Exception as error:
+            raise RemoteFailure(row, "creating the env", error) from error
 
     def describe(self) -> dict:
         """Spaces of every env and the metadata of the first, for the learner to check and lay out buffers."""
@@ -85,8 +98,12 @@ class EnvBlock:
         self.obs_layout = buffers.obs_layout
         self.final_layout = buffers.final_obs_layout
         self.write_obs = buffers.obs_layout.writer(buffers.obs)
+        self.read_obs = buffers.obs_layout.reader(buffers.obs)
         self.write_final_obs = buffers.final_obs_layout.writer(buffers.final_obs)
-        self.read_action = buffers.act_layout.reader(buffers.actions)
+        if buffers.act_layout.buffered:
+            self.read_action = buffers.act_layout.reader(buffers.actions)
+        else:
+            self.read_action = lambda row: self.pending_actions[row - self.row0]
         self.rows = slice(row0, row0 + len(self.envs))
 
     def step(self) -> dict | None:
@@ -122,11 +139,13 @@ class EnvBlock:
                 elif next_step:
                     self.needs_reset[j] = False
             except Exception as error:
-                raise RemoteFailure(j, "step", error) from error
+                if self.env_restarts[j] >= self.max_env_restarts:
+                    raise RemoteFailure(j, "step", error) from error
+                obs, reward, term, trunc, info = self._replace_env(j, error, final_obs, reset_infos)
             if buffered_obs:
                 write_obs(row, obs)
             else:
-                pickled_obs[index] = obs
+                pickled_obs[index] = self.last_pickled_obs[j] = obs
             rewards.append(reward)
             terminations.append(term)
             truncations.append(trunc)
@@ -139,6 +158,38 @@ class EnvBlock:
         buffers.terminated[self.rows] = terminations
         buffers.truncated[self.rows] = truncations
         return _payload(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
+
+    def _replace_env(self, j: int, error: Exception, final_obs: dict, reset_infos: dict) -> tuple:
+        """Swap a raising env for a new one; the interrupted episode ends truncated.
+
+        The episode's last observation is the one from before the failed step. In ``same_step``
+        mode the new env is reset now; otherwise it resets at its next step (``next_step``) or
+        when the caller resets it (``disabled``).
+        """
+        self.env_restarts[j] += 1
+        row, index = self.row0 + j, self.first_index + j
+        previous_obs = self.read_obs(row) if self.obs_layout.buffered else self.last_pickled_obs[j]
+        try:
+            self.envs[j].close()
+        except Exception:
+            pass  # the env is already broken; its replacement matters, not its last words
+        self.envs[j] = self._make_env(j)
+        reason = (
+            f"env {index} raised {type(error).__name__}: {error}; "
+            f"replaced by a new env (restart {self.env_restarts[j]} of {self.max_env_restarts})"
+        )
+        obs = previous_obs
+        if self.autoreset_mode == "same_step":
+            final_obs[index] = previous_obs
+            try:
+                obs, reset_info = self.envs[j].reset()
+            except Exception as reset_error:
+                raise RemoteFailure(j, "reset of a replaced env", reset_error) from reset_error
+            if reset_info:
+                reset_infos[index] = reset_info
+        else:
+            self.needs_reset[j] = self.autoreset_mode == "next_step"
+        return obs, 0.0, False, True, {RESTART_INFO_KEY: reason}
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options."""
@@ -156,7 +207,7 @@ class EnvBlock:
             if self.obs_layout.buffered:
                 self.write_obs(self.row0 + j, obs)
             else:
-                pickled_obs[index] = obs
+                pickled_obs[index] = self.last_pickled_obs[j] = obs
             if info:
                 infos[index] = info
         return _payload(infos=infos, obs=pickled_obs)
@@ -294,13 +345,22 @@ def _create_block(payload: dict) -> EnvBlock:
             env_fns.append(pickle.loads(pickled))
         except Exception as error:
             raise RemoteFailure(row, "unpickling the env factory", error) from error
-    return EnvBlock(env_fns, payload["first_index"], payload["autoreset_mode"])
+    return EnvBlock(
+        env_fns,
+        payload["first_index"],
+        payload["autoreset_mode"],
+        payload["max_env_restarts"],
+        payload["restarted"],
+    )
 
 
 def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnection) -> Any:
     if op == "attach":
         buffers, row0 = connection.attach(payload["spec"], payload["block"])
         block.attach(buffers, row0)
+        return None
+    if op == "actions":
+        block.pending_actions = payload["actions"]
         return None
     if op == "reset":
         return block.reset(payload["seeds"], payload["options"], payload["mask"])

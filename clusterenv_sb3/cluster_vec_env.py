@@ -26,7 +26,14 @@ class ClusterVecEnv(VecEnv):
     :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
     :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
     :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
+    :param restart_failed_envs: replace an env that raises in ``step`` instead of raising ``EnvError``
+    :param restart_failed_workers: replace a worker that dies or hangs instead of raising
+    :param max_restarts: how many times one env or one worker may be replaced
     :param options: backend options (see the backend's transport class)
+
+    A replaced env or worker ends its episodes as truncated (``TimeLimit.truncated`` is ``True`` and
+    ``terminal_observation`` is the last observation before the failure), with the reason under the
+    info key ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
     """
 
     def __init__(
@@ -35,6 +42,9 @@ class ClusterVecEnv(VecEnv):
         backend: str = "local",
         num_workers: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        restart_failed_envs: bool = False,
+        restart_failed_workers: bool = False,
+        max_restarts: int = 3,
         **options: Any,
     ) -> None:
         self.pool = EnvPool(
@@ -43,6 +53,9 @@ class ClusterVecEnv(VecEnv):
             num_workers=num_workers,
             timeout=timeout,
             autoreset_mode="same_step",
+            restart_failed_envs=restart_failed_envs,
+            restart_failed_workers=restart_failed_workers,
+            max_restarts=max_restarts,
             backend_options=options,
         )
         try:

@@ -55,6 +55,13 @@ class Transport(ABC):
     def recv_step(self, worker: int, timeout: float) -> Any:
         """Wait for one worker's step reply; afterwards its result rows are in the buffers."""
 
+    def restart(self, worker: int, timeout: float) -> None:
+        """Replace a lost or stuck worker by a new one waiting for its first message.
+
+        :raises NotImplementedError: the backend cannot replace workers
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot replace workers")
+
     @abstractmethod
     def close(self, timeout: float) -> None:
         """Make every worker exit (killing those that do not within ``timeout``) and free resources.

@@ -125,16 +125,32 @@ class LocalTransport(Transport):
         env = dict(os.environ, **self.extra_env)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._worker_env = env
         for _ in range(num_workers):
-            learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            fds = (worker_end.fileno(), self.memory_fd)
-            command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds)]
-            try:
-                process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, env=env)
-            finally:
-                worker_end.close()
+            process, channel = self._launch()
             self.processes.append(process)
-            self.sockets.append(_MessageSocket(learner_end))
+            self.sockets.append(channel)
+
+    def _launch(self) -> tuple[subprocess.Popen, _MessageSocket]:
+        learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = (worker_end.fileno(), self.memory_fd)
+        command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds)]
+        try:
+            process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, env=self._worker_env)
+        except BaseException:
+            learner_end.close()
+            raise
+        finally:
+            worker_end.close()
+        return process, _MessageSocket(learner_end)
+
+    def restart(self, worker: int, timeout: float) -> None:
+        old = self.processes[worker]
+        old.kill()
+        old.wait()
+        self.sockets[worker].sock.close()
+        self.processes[worker], self.sockets[worker] = self._launch()
+        self.failed.discard(worker)
 
     def send(self, worker: int, message: Any) -> None:
         self._send_frame(worker, _frame(message))

@@ -1,0 +1,123 @@
+"""Opt-in recovery: a raising env or a lost worker is replaced and its episodes end truncated."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from clusterenv_core import EnvError, EnvPool, WorkerLostError
+from clusterenv_core.protocol import RESTART_INFO_KEY
+from tests.envs import FailingEnv, HangingEnv, SuicidalEnv
+
+CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+
+
+def _with(wrapper, **kwargs):
+    return wrapper(gym.make("CartPole-v1"), **kwargs)
+
+
+def _zeros(pool):
+    return np.zeros(pool.num_envs, np.int64)
+
+
+def _obs_copy(pool):
+    return pool.buffers.obs[0].copy()
+
+
+def test_raising_env_is_replaced_same_step():
+    env_fns = [CARTPOLE, functools.partial(_with, FailingEnv, fail_at=4), CARTPOLE]
+    with EnvPool(env_fns, num_workers=2, restart_failed_envs=True, max_restarts=2) as pool:
+        pool.reset(seeds=[0, 1, 2])
+        for _ in range(3):
+            pool.step(_zeros(pool))
+        before = _obs_copy(pool)
+        result = pool.step(_zeros(pool))
+        assert result.truncated.tolist() == [False, True, False]
+        assert not result.terminated[1] and result.rewards[1] == 0.0
+        assert "ValueError: injected failure at step 4" in result.infos[1][RESTART_INFO_KEY]
+        assert "restart 1 of 2" in result.infos[1][RESTART_INFO_KEY]
+        np.testing.assert_array_equal(result.final_observation(1), before[1])
+        assert not np.array_equal(result.obs[1], before[1])  # a new episode started
+        assert pool.restarts == {"envs": 1, "workers": 0}
+        # The replacement fails again at its own 4th step: second restart, then the error surfaces.
+        for _ in range(4):
+            result = pool.step(_zeros(pool))
+        assert RESTART_INFO_KEY in result.infos[1] and pool.restarts["envs"] == 2
+        for _ in range(3):
+            pool.step(_zeros(pool))
+        with pytest.raises(EnvError, match="injected failure at step 4"):
+            pool.step(_zeros(pool))
+
+
+def test_raising_env_is_replaced_next_step():
+    env_fns = [CARTPOLE, functools.partial(_with, FailingEnv, fail_at=2)]
+    with EnvPool(env_fns, num_workers=1, autoreset_mode="next_step", restart_failed_envs=True) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(_zeros(pool))
+        before = _obs_copy(pool)
+        result = pool.step(_zeros(pool))
+        assert result.truncated.tolist() == [False, True]
+        np.testing.assert_array_equal(result.obs[1], before[1])  # the episode's last observation
+        result = pool.step(_zeros(pool))  # the replacement resets, as next_step does after an episode end
+        assert result.rewards[1] == 0.0 and not result.truncated[1]
+        assert not np.array_equal(result.obs[1], before[1])
+
+
+def test_lost_worker_is_replaced_same_step():
+    env_fns = [CARTPOLE, CARTPOLE, CARTPOLE, functools.partial(_with, SuicidalEnv, die_at=3)]
+    with EnvPool(env_fns, num_workers=2, restart_failed_workers=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        pool.step(_zeros(pool))
+        pool.step(_zeros(pool))
+        before = _obs_copy(pool)
+        old_pid = pool._transport.processes[1].pid
+        result = pool.step(_zeros(pool))
+        assert pool._transport.processes[1].pid != old_pid
+        assert result.truncated.tolist() == [False, False, True, True]
+        assert result.rewards.tolist()[2:] == [0.0, 0.0]
+        for index in (2, 3):
+            assert "worker 1 was replaced (restart 1 of 1)" in result.infos[index][RESTART_INFO_KEY]
+            assert "SIGKILL" in result.infos[index][RESTART_INFO_KEY]
+            np.testing.assert_array_equal(result.final_observation(index), before[index])
+        assert RESTART_INFO_KEY not in result.infos.get(0, {})
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        pool.step(_zeros(pool))
+        pool.step(_zeros(pool))
+        with pytest.raises(WorkerLostError):  # the replacement dies too, and the budget is spent
+            pool.step(_zeros(pool))
+
+
+def test_stuck_worker_is_replaced_next_step():
+    env_fns = [CARTPOLE, functools.partial(_with, HangingEnv, hang_at=2)]
+    with EnvPool(
+        env_fns, num_workers=2, timeout=1.0, autoreset_mode="next_step", restart_failed_workers=True
+    ) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(_zeros(pool))
+        before = _obs_copy(pool)
+        result = pool.step(_zeros(pool))
+        assert result.truncated.tolist() == [False, True]
+        assert "did not answer within 1 s" in result.infos[1][RESTART_INFO_KEY]
+        np.testing.assert_array_equal(result.obs[1], before[1])
+        result = pool.step(_zeros(pool))
+        assert result.rewards[1] == 0.0 and not result.truncated[1]
+
+
+def test_sb3_adapter_passes_restart_options():
+    pytest.importorskip("stable_baselines3")
+    from clusterenv_sb3 import ClusterVecEnv
+
+    env_fns = [CARTPOLE, functools.partial(_with, FailingEnv, fail_at=2)]
+    venv = ClusterVecEnv(env_fns, num_workers=2, restart_failed_envs=True)
+    try:
+        venv.reset()
+        venv.step(np.zeros(2, np.int64))
+        _, _, dones, infos = venv.step(np.zeros(2, np.int64))
+        assert dones.tolist() == [False, True]
+        assert infos[1]["TimeLimit.truncated"] is True
+        assert RESTART_INFO_KEY in infos[1] and "terminal_observation" in infos[1]
+    finally:
+        venv.close()
