@@ -1,0 +1,19 @@
+"""CleanRL adapter: ``ClusterVectorEnv`` is gymnasium's ``SyncVectorEnv`` with its environments on ClusterEnv workers.
+
+In a CleanRL script, replace ``gym.vector.SyncVectorEnv([...])`` with ``ClusterVectorEnv([...])``;
+the results are the same, the environments step in parallel on workers (local processes or MPI
+ranks). Both gymnasium 1.x and gymnasium 0.29 (which CleanRL pins) are supported, each with its own
+``SyncVectorEnv`` semantics. Failures on workers raise the errors exported here.
+"""
+
+from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_cleanrl.vector_env import ClusterVectorEnv
+
+__all__ = [
+    "ClusterEnvError",
+    "ClusterVectorEnv",
+    "EnvAttributeError",
+    "EnvError",
+    "WorkerLostError",
+    "WorkerTimeoutError",
+]
