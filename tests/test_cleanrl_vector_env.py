@@ -1,0 +1,304 @@
+"""Contract tests of ``clusterenv_cleanrl.ClusterVectorEnv``: step for step what ``SyncVectorEnv`` returns.
+
+Every test runs the same envs, seeds and actions through a ``ClusterVectorEnv`` and a
+``SyncVectorEnv`` and compares the results exactly (values, dtypes, container types). They pass on
+gymnasium 1.x (all three autoreset modes) and on gymnasium 0.29 (same-step autoreset with
+``final_observation``/``final_info``); ``.ci/gym029.sh`` runs them on 0.29. No torch or SB3 here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from clusterenv_cleanrl import ClusterVectorEnv
+from clusterenv_cleanrl.vector_env import GYMNASIUM_1
+from tests.compare import assert_same
+from tests.envs import make_dict_env
+
+pytestmark = pytest.mark.timeout(120)
+
+NUM_ENVS = 4
+NUM_WORKERS = 2
+STEPS = 2000
+
+# Autoreset modes to compare; gymnasium 0.29 has only its same-step autoreset (no keyword).
+MODES = ["NextStep", "SameStep", "Disabled"] if GYMNASIUM_1 else [None]
+
+
+def make_cartpole(max_episode_steps: int = 40) -> gym.Env:
+    return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1", max_episode_steps=max_episode_steps))
+
+
+class TextObsEnv(gym.Env):
+    """Text observations (a space without buffers), discrete actions, termination and truncation."""
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Text(max_length=6, charset="abcdef")
+        self.action_space = spaces.Discrete(3)
+        self.steps = 0
+
+    def _obs(self) -> str:
+        return "".join(self.np_random.choice(list("abcdef"), size=int(self.np_random.integers(1, 7))))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.steps = 0
+        return self._obs(), {"length": 0}
+
+    def step(self, action):
+        self.steps += 1
+        terminated = bool(self.np_random.random() < 0.1)
+        return self._obs(), float(action), terminated, self.steps >= 8, {"action": int(action)}
+
+
+class SequenceObsEnv(TextObsEnv):
+    """Variable-length sequences of vectors as observations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = spaces.Sequence(spaces.Box(-1.0, 1.0, (2,), np.float32))
+
+    def _obs(self) -> tuple:
+        length = int(self.np_random.integers(0, 4))
+        return tuple(self.np_random.uniform(-1, 1, 2).astype(np.float32) for _ in range(length))
+
+
+def mode_kwargs(mode: str | None) -> dict:
+    return {} if mode is None else {"autoreset_mode": mode}
+
+
+def make_pair(env_fns: list, mode: str | None = None, **kwargs) -> tuple[ClusterVectorEnv, gym.vector.VectorEnv]:
+    cluster = ClusterVectorEnv(env_fns, num_workers=NUM_WORKERS, timeout=30, **mode_kwargs(mode), **kwargs)
+    sync = gym.vector.SyncVectorEnv(env_fns, **mode_kwargs(mode), **kwargs)
+    return cluster, sync
+
+
+def key_order(value):
+    """The keys of every dict in ``value``, in order (``assert_same`` accepts any order)."""
+    if isinstance(value, dict):
+        return [(key, key_order(item)) for key, item in value.items()]
+    if isinstance(value, tuple):
+        return [key_order(item) for item in value]
+    return None
+
+
+def assert_same_results(actual, expected, what: str) -> None:
+    assert_same(actual, expected, what)
+    assert key_order(actual) == key_order(expected), f"{what}: keys in another order"
+
+
+def random_actions(space: gym.Space, rng: np.random.Generator):
+    if isinstance(space, spaces.MultiDiscrete):
+        return rng.integers(0, space.nvec)
+    return rng.uniform(space.low, space.high).astype(space.dtype)
+
+
+def run_and_compare(cluster, sync, steps: int, seed: int = 0) -> dict[str, int]:
+    """Step both envs with the same random actions, resetting ended episodes in DISABLED mode, and
+    compare every result; returns how many episodes terminated and were truncated."""
+    rng = np.random.default_rng(seed)
+    assert_same_results(cluster.reset(seed=seed), sync.reset(seed=seed), "reset")
+    disabled = GYMNASIUM_1 and cluster.autoreset_mode == gym.vector.AutoresetMode.DISABLED
+    counts = {"terminated": 0, "truncated": 0}
+    for step in range(steps):
+        actions = random_actions(sync.action_space, rng)
+        result = cluster.step(actions)
+        expected = sync.step(actions)
+        assert_same_results(result, expected, f"step {step}")
+        _, _, terminated, truncated, _ = expected
+        counts["terminated"] += int(terminated.sum())
+        counts["truncated"] += int(truncated.sum())
+        if disabled and (terminated | truncated).any():
+            mask = terminated | truncated
+            assert_same_results(
+                cluster.reset(options={"reset_mask": mask.copy()}),
+                sync.reset(options={"reset_mask": mask.copy()}),
+                f"partial reset after step {step}",
+            )
+    return counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cartpole_with_episode_statistics(mode):
+    env_fns = [make_cartpole] * NUM_ENVS
+    cluster, sync = make_pair(env_fns, mode)
+    with cluster:
+        counts = run_and_compare(cluster, sync, STEPS, seed=1)
+    sync.close()
+    assert counts["terminated"] > 50 and counts["truncated"] > 5, counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dict_observations_continuous_actions(mode):
+    env_fns = [make_dict_env] * NUM_ENVS
+    cluster, sync = make_pair(env_fns, mode)
+    with cluster:
+        counts = run_and_compare(cluster, sync, STEPS, seed=2)
+    sync.close()
+    assert counts["terminated"] > 50 and counts["truncated"] > 50, counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("env_class", [TextObsEnv, SequenceObsEnv])
+def test_spaces_without_buffers(env_class, mode):
+    cluster, sync = make_pair([env_class] * NUM_ENVS, mode)
+    with cluster:
+        assert isinstance(cluster.pool.reset().obs, list)  # the pickled path, not buffers
+        counts = run_and_compare(cluster, sync, 300, seed=3)
+    sync.close()
+    assert counts["terminated"] > 10 and counts["truncated"] > 10, counts
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_copy_semantics(copy):
+    """With copy=False both return observations the next step overwrites; with copy=True, neither does."""
+    for env_fn in (make_cartpole, make_dict_env):
+        cluster, sync = make_pair([env_fn] * 3, copy=copy)
+        rng = np.random.default_rng(4)
+        with cluster:
+            kept = [(cluster.reset(seed=4)[0], sync.reset(seed=4)[0])]
+            for _ in range(60):
+                actions = random_actions(sync.action_space, rng)
+                kept.append((cluster.step(actions)[0], sync.step(actions)[0]))
+            for actual, expected in kept:
+                assert_same(actual, expected)
+        sync.close()
+
+
+def test_spaces_metadata_and_attributes():
+    cluster, sync = make_pair([make_dict_env] * 3)
+    with cluster:
+        assert cluster.num_envs == sync.num_envs == 3
+        for name in ("single_observation_space", "observation_space", "single_action_space", "action_space"):
+            assert getattr(cluster, name) == getattr(sync, name), name
+        assert cluster.metadata == sync.metadata
+        assert cluster.metadata is not sync.metadata
+        assert cluster.render_mode == sync.render_mode
+        if GYMNASIUM_1:
+            assert cluster.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
+            assert cluster.render_mode == "rgb_array"
+    sync.close()
+
+
+def test_seeding_and_options():
+    cluster, sync = make_pair([make_dict_env] * NUM_ENVS)
+    rng = np.random.default_rng(5)
+    with cluster:
+        for seed in (7, [3, 1, 4, 1], [10, 20, 30, 40]):
+            assert_same(cluster.reset(seed=seed), sync.reset(seed=seed))
+            if GYMNASIUM_1:
+                expected_seeds = tuple(seed + i for i in range(NUM_ENVS)) if isinstance(seed, int) else tuple(seed)
+                assert cluster.np_random_seed == sync.np_random_seed == expected_seeds
+                for actual, expected in zip(cluster.np_random, sync.np_random):
+                    assert actual.bit_generator.state == expected.bit_generator.state
+            for _ in range(5):
+                actions = random_actions(sync.action_space, rng)
+                assert_same(cluster.step(actions), sync.step(actions))
+        # Options reach every env (DictObsEnv puts them into its reset info).
+        assert_same(cluster.reset(seed=1, options={"level": 3}), sync.reset(seed=1, options={"level": 3}))
+        with pytest.raises(type(_raised(lambda: sync.reset(seed=[1, 2])))):
+            cluster.reset(seed=[1, 2])
+    sync.close()
+
+
+def _raised(call) -> BaseException:
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 - the test compares whatever SyncVectorEnv raises
+        return error
+    raise AssertionError("expected an exception")
+
+
+def test_call_get_attr_set_attr_render():
+    cluster, sync = make_pair([make_dict_env] * 3)
+    rng = np.random.default_rng(6)
+    with cluster:
+        assert_same(cluster.reset(seed=6), sync.reset(seed=6))
+        for _ in range(5):
+            actions = random_actions(sync.action_space, rng)
+            assert_same(cluster.step(actions), sync.step(actions))
+        assert_same(cluster.call("render"), sync.call("render"))
+        assert_same(cluster.render(), cluster.call("render"))
+        if GYMNASIUM_1:
+            assert_same(cluster.render(), sync.render())
+        assert_same(cluster.get_attr("steps"), sync.get_attr("steps"))
+        assert_same(cluster.call("get_wrapper_attr", "steps"), sync.call("get_wrapper_attr", "steps"))
+        assert_same(cluster.get_attr("_max_episode_steps"), sync.get_attr("_max_episode_steps"))
+        # gymnasium 1.x sets through the wrappers (the env's own counter), 0.29 on the outer wrapper:
+        # either way, later steps and attributes must agree.
+        for values in ([1, 2, 3], (4, 5, 6), 7):
+            cluster.set_attr("steps", values)
+            sync.set_attr("steps", values)
+            assert_same(cluster.get_attr("steps"), sync.get_attr("steps"))
+            actions = random_actions(sync.action_space, rng)
+            assert_same(cluster.step(actions), sync.step(actions))
+        for values in ([1, 2], (1, 2, 3, 4)):
+            expected = _raised(lambda: sync.set_attr("steps", values))
+            with pytest.raises(type(expected)) as raised:
+                cluster.set_attr("steps", values)
+            assert str(raised.value) == str(expected)
+        with pytest.raises(AttributeError):
+            cluster.get_attr("no_such_attribute")
+    sync.close()
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="reset_mask and autoreset modes are gymnasium 1.x")
+def test_reset_mask_validation():
+    cluster, sync = make_pair([make_dict_env] * NUM_ENVS, "Disabled")
+    with cluster:
+        cluster.reset(seed=0)
+        sync.reset(seed=0)
+        bad_masks = [
+            [True, False, True, False],
+            np.array([True, False]),
+            np.array([1, 0, 1, 0]),
+            np.zeros(NUM_ENVS, dtype=bool),
+        ]
+        for mask in bad_masks:
+            expected = _raised(lambda: sync.reset(options={"reset_mask": mask}))
+            with pytest.raises(type(expected)) as raised:
+                cluster.reset(options={"reset_mask": mask})
+            assert str(raised.value) == str(expected)
+        # reset_mask is taken out of the caller's options; the rest reaches the selected envs.
+        mask = np.array([True, False, False, True])
+        options_cluster, options_sync = {"reset_mask": mask, "level": 1}, {"reset_mask": mask, "level": 1}
+        assert_same(cluster.reset(options=options_cluster), sync.reset(options=options_sync))
+        assert options_cluster == options_sync == {"level": 1}
+    sync.close()
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="autoreset modes are gymnasium 1.x")
+def test_disabled_mode_refuses_to_step_an_ended_episode():
+    cluster = ClusterVectorEnv([functools.partial(gym.make, "CartPole-v1")] * 2, autoreset_mode="Disabled", num_workers=2)
+    with cluster:
+        cluster.reset(seed=0)
+        done = np.zeros(2, dtype=bool)
+        while not done.any():
+            _, _, terminated, truncated, _ = cluster.step(np.ones(2, dtype=np.int64))
+            done = terminated | truncated
+        with pytest.raises(AssertionError):
+            cluster.step(np.ones(2, dtype=np.int64))
+        cluster.reset(options={"reset_mask": done})
+        cluster.step(np.ones(2, dtype=np.int64))
+
+
+def test_is_a_vector_env_usable_by_vector_wrappers():
+    cluster, sync = make_pair([functools.partial(gym.make, "CartPole-v1", max_episode_steps=40)] * 2)
+    if GYMNASIUM_1:
+        cluster = gym.wrappers.vector.RecordEpisodeStatistics(cluster)
+        sync = gym.wrappers.vector.RecordEpisodeStatistics(sync)
+    assert isinstance(cluster, gym.vector.VectorEnv)
+    try:
+        rng = np.random.default_rng(8)
+        assert_same_results(cluster.reset(seed=8), sync.reset(seed=8), "reset")
+        for step in range(200):
+            actions = random_actions(sync.action_space, rng)
+            assert_same_results(cluster.step(actions), sync.step(actions), f"step {step}")
+    finally:
+        cluster.close()
+        sync.close()
