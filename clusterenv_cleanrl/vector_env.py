@@ -54,24 +54,6 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
     _observations: Any
     _through_wrappers: bool  # gymnasium 1.x sets attributes with set_wrapper_attr, 0.29 with setattr
 
-    def _start_pool(
-        self,
-        env_fns: Sequence[Callable[[], gym.Env]],
-        autoreset_mode: str,
-        backend: str,
-        num_workers: int | None,
-        timeout: float,
-        options: dict[str, Any],
-    ) -> None:
-        self.pool = EnvPool(
-            env_fns,
-            backend=backend,
-            num_workers=num_workers,
-            timeout=timeout,
-            autoreset_mode=autoreset_mode,
-            backend_options=options,
-        )
-
     def _batch(self, obs: Any) -> Any:
         """The batched observation ``SyncVectorEnv`` would return for the pool's ``obs``."""
         if isinstance(obs, list):
@@ -162,7 +144,13 @@ if GYMNASIUM_1:
         :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
         :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
         :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
+        :param restart_failed_envs: replace an env that raises in ``step`` instead of raising ``EnvError``
+        :param restart_failed_workers: replace a worker that dies or hangs instead of raising
+        :param max_restarts: how many times one env or one worker may be replaced
         :param options: backend options (see the backend's transport class)
+
+        A replaced env or worker ends its episodes as truncated, with the reason under the info key
+        ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
         """
 
         def __init__(
@@ -175,6 +163,9 @@ if GYMNASIUM_1:
             backend: str = "local",
             num_workers: int | None = None,
             timeout: float = DEFAULT_TIMEOUT,
+            restart_failed_envs: bool = False,
+            restart_failed_workers: bool = False,
+            max_restarts: int = 3,
             **options: Any,
         ) -> None:
             custom_spaces = isinstance(observation_mode, tuple) and len(observation_mode) == 2
@@ -194,7 +185,17 @@ if GYMNASIUM_1:
             self.observation_mode = observation_mode
             self.autoreset_mode = AutoresetMode(autoreset_mode)
             self._through_wrappers = True
-            self._start_pool(env_fns, _POOL_MODES[self.autoreset_mode], backend, num_workers, timeout, options)
+            self.pool = EnvPool(
+                env_fns,
+                backend=backend,
+                num_workers=num_workers,
+                timeout=timeout,
+                autoreset_mode=_POOL_MODES[self.autoreset_mode],
+                restart_failed_envs=restart_failed_envs,
+                restart_failed_workers=restart_failed_workers,
+                max_restarts=max_restarts,
+                backend_options=options,
+            )
             try:
                 self._describe(observation_mode, custom_spaces)
             except BaseException:
@@ -337,7 +338,13 @@ else:
         :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
         :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
         :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
+        :param restart_failed_envs: replace an env that raises in ``step`` instead of raising ``EnvError``
+        :param restart_failed_workers: replace a worker that dies or hangs instead of raising
+        :param max_restarts: how many times one env or one worker may be replaced
         :param options: backend options (see the backend's transport class)
+
+        A replaced env or worker ends its episodes as truncated, with the reason under the info key
+        ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
         """
 
         def __init__(
@@ -350,12 +357,25 @@ else:
             backend: str = "local",
             num_workers: int | None = None,
             timeout: float = DEFAULT_TIMEOUT,
+            restart_failed_envs: bool = False,
+            restart_failed_workers: bool = False,
+            max_restarts: int = 3,
             **options: Any,
         ) -> None:
             self.env_fns = env_fns
             self.copy = copy
             self._through_wrappers = False
-            self._start_pool(env_fns, "same_step", backend, num_workers, timeout, options)
+            self.pool = EnvPool(
+                env_fns,
+                backend=backend,
+                num_workers=num_workers,
+                timeout=timeout,
+                autoreset_mode="same_step",
+                restart_failed_envs=restart_failed_envs,
+                restart_failed_workers=restart_failed_workers,
+                max_restarts=max_restarts,
+                backend_options=options,
+            )
             try:
                 self._describe(observation_space, action_space)
             except BaseException:

@@ -1,6 +1,6 @@
 """Failure behaviour through ``ClusterVectorEnv``: remote exceptions, lost workers, bad actions, closing.
 
-Runs on gymnasium 1.x and 0.29 alike (only the step API is used), without torch or SB3.
+Runs on gymnasium 1.x and 0.29 alike, without torch or SB3.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from clusterenv_cleanrl import ClusterEnvError, ClusterVectorEnv, EnvError, WorkerLostError
+from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from tests.compare import assert_same
 from tests.envs import FailingEnv, SuicidalEnv
 
@@ -68,6 +69,25 @@ def test_remote_exception_names_env_worker_and_traceback():
     env.close()
     assert env.closed
     assert_no_children_left(pids)
+
+
+def test_opt_in_env_restart_ends_the_episode_truncated():
+    env_fns = [make_cartpole] * 3 + [functools.partial(failing_cartpole, fail_at=5)]
+    with ClusterVectorEnv(env_fns, num_workers=NUM_WORKERS, restart_failed_envs=True) as env:
+        env.reset(seed=0)
+        for _ in range(5):
+            _, rewards, terminations, truncations, infos = env.step(np.ones(NUM_ENVS, dtype=np.int64))
+        assert truncations[3] and not terminations[3] and rewards[3] == 0.0
+        if GYMNASIUM_1:  # next-step autoreset: the reason is in this step's infos
+            assert infos["_clusterenv_restart"].tolist() == [False, False, False, True]
+            reason = infos["clusterenv_restart"][3]
+        else:  # same-step autoreset: in the final info of the ended episode
+            assert infos["_final_info"][3]
+            reason = infos["final_info"][3]["clusterenv_restart"]
+        assert "injected failure at step 5" in reason
+        assert env.pool.restarts == {"envs": 1, "workers": 0}
+        for _ in range(3):
+            env.step(np.ones(NUM_ENVS, dtype=np.int64))
 
 
 @pytest.mark.parametrize("how", ["env kills itself", "SIGKILL from outside"])
