@@ -221,3 +221,65 @@ def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
     while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(psutil.pid_exists(pid) for pid in pids), "workers outlived their learner"
+
+
+def test_differing_spaces_are_rejected(no_leaks):
+    def other():
+        return gym.make("MountainCar-v0")
+
+    with pytest.raises(ValueError, match="env 2 has observation space"):
+        EnvPool([CARTPOLE, CARTPOLE, other], num_workers=2)
+
+
+@pytest.mark.parametrize("env_fns", [[], ()])
+def test_no_envs_is_rejected(no_leaks, env_fns):
+    with pytest.raises(ValueError, match="at least one"):
+        EnvPool(env_fns)
+    with pytest.raises(ValueError, match="num_envs"):
+        EnvPool.make("CartPole-v1", 0)
+    with pytest.raises(ValueError, match="num_envs"):
+        EnvPool.make("CartPole-v1", -3)
+
+
+def test_step_after_close_fails_clearly(no_leaks):
+    pool = EnvPool([CARTPOLE] * 2, num_workers=1)
+    pool.reset()
+    pool.close()
+    with pytest.raises(ClusterEnvError, match="closed"):
+        _step_zeros(pool)
+
+
+def _interrupt_soon(delay: float) -> None:
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
+    from tests.envs import BusyCartPole
+
+    pool = EnvPool([functools.partial(BusyCartPole, busy_us=400_000)] * 2, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    _interrupt_soon(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _step_zeros(pool)
+    result = pool.step_wait()  # the interrupted step is still pending and completes
+    assert result.rewards.tolist() == [1.0, 1.0]
+    _interrupt_soon(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _step_zeros(pool)
+    pool.close()
+
+
+def test_many_create_step_close_cycles_leak_nothing(no_leaks):
+    def cycle(seed: int) -> None:
+        pool = EnvPool([CARTPOLE] * 2, num_workers=1)
+        pool.reset(seeds=[seed, seed + 1])
+        for _ in range(5):
+            _step_zeros(pool)
+        pool.close()
+
+    process = psutil.Process()
+    cycle(0)  # first use opens long-lived descriptors (imports, random sources)
+    fds = process.num_fds()
+    for seed in range(1, 200):
+        cycle(seed)
+    assert process.num_fds() == fds

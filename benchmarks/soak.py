@@ -1,0 +1,115 @@
+"""Soak test: long runs must keep their speed and memory, also while envs and workers fail.
+
+    python benchmarks/soak.py [--steps 2000000] [--failure-steps 200000] [--envs 32]
+
+Phase 1 runs ``--steps`` CartPole-v1 steps on ClusterVecEnv. Phase 2 runs ``--failure-steps``
+steps where every env raises with probability 1e-3 per step and a worker kills itself with
+probability 2e-5 per env step, with ``restart_failed_envs`` and ``restart_failed_workers`` on.
+Each phase prints steps/s per tenth of the run and the resident memory (RSS) of the learner and
+of the workers after warm-up (the first tenth) and at the end; the script exits with status 1 if
+any of them grew by more than 5%. Results go to benchmarks/results/soak.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import psutil
+
+from clusterenv_sb3 import ClusterVecEnv
+
+MAX_GROWTH = 0.05
+
+
+class RandomFailures(gym.Wrapper):
+    """Raises with probability ``raise_p`` per step; kills its process with probability ``kill_p``."""
+
+    def __init__(self, raise_p: float, kill_p: float) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.raise_p, self.kill_p = raise_p, kill_p
+        self.rng = np.random.default_rng()
+
+    def step(self, action):
+        draw = self.rng.random()
+        if draw < self.kill_p:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if draw < self.raise_p:
+            raise RuntimeError("injected env failure")
+        return self.env.step(action)
+
+
+def rss_mb(venv: ClusterVecEnv) -> dict:
+    workers = [psutil.Process(p.pid).memory_info().rss for p in venv.pool._transport.processes]
+    return {"learner": psutil.Process().memory_info().rss / 2**20, "workers": sum(workers) / 2**20}
+
+
+def run_phase(name: str, env_fn, num_envs: int, total_steps: int, **vec_kwargs) -> dict:
+    venv = ClusterVecEnv([env_fn] * num_envs, **vec_kwargs)
+    venv.reset()
+    actions = np.random.default_rng(0).integers(0, 2, size=(1000, num_envs))
+    batches = total_steps // num_envs
+    tenth = max(batches // 10, 1)
+    rates, memory = [], {}
+    started = time.perf_counter()
+    try:
+        for batch in range(batches):
+            venv.step(actions[batch % 1000])
+            if (batch + 1) % tenth == 0:
+                now = time.perf_counter()
+                rates.append(tenth * num_envs / (now - started))
+                started = now
+                if len(rates) == 1:
+                    memory["start"] = rss_mb(venv)
+                print(f"{name}: {100 * (batch + 1) // batches:3d}%  {rates[-1]:9.0f} steps/s", flush=True)
+        memory["end"] = rss_mb(venv)
+        restarts = dict(venv.pool.restarts)
+    finally:
+        venv.close()
+    growth = {part: memory["end"][part] / memory["start"][part] - 1 for part in ("learner", "workers")}
+    for part in ("learner", "workers"):
+        print(
+            f"{name}: {part} RSS {memory['start'][part]:.1f} MB after warm-up -> {memory['end'][part]:.1f} MB at the end"
+            f" ({100 * growth[part]:+.2f}%)"
+        )
+    print(f"{name}: restarts {restarts}")
+    return {"steps": batches * num_envs, "steps_per_s": rates, "rss_mb": memory, "growth": growth, "restarts": restarts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2_000_000)
+    parser.add_argument("--failure-steps", type=int, default=200_000)
+    parser.add_argument("--envs", type=int, default=32)
+    parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
+    args = parser.parse_args()
+
+    results = {
+        "plain": run_phase("plain", functools.partial(gym.make, "CartPole-v1"), args.envs, args.steps),
+        "failures": run_phase(
+            "failures",
+            functools.partial(RandomFailures, raise_p=1e-3, kill_p=2e-5),
+            args.envs,
+            args.failure_steps,
+            restart_failed_envs=True,
+            restart_failed_workers=True,
+            max_restarts=1_000_000,
+        ),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as file:
+        json.dump(results, file, indent=2)
+    worst = max(growth for phase in results.values() for growth in phase["growth"].values())
+    verdict = "PASS" if worst <= MAX_GROWTH else "FAIL"
+    print(f"\n{verdict}: largest memory growth {100 * worst:+.2f}% (limit {100 * MAX_GROWTH:.0f}%); wrote {args.json}")
+    raise SystemExit(0 if verdict == "PASS" else 1)
+
+
+if __name__ == "__main__":
+    main()
