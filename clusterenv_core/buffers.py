@@ -45,11 +45,31 @@ class BatchSpec:
         return [*obs.fields, *final_obs.fields, *scalars, *act.fields]
 
     def nbytes(self) -> int:
-        return sum(_padded(self.num_envs * int(np.prod(f.shape, dtype=np.int64)) * f.dtype.itemsize) for f in self.fields())
+        return fields_nbytes(self.fields(), self.num_envs)
 
 
 def _padded(nbytes: int) -> int:
     return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
+def _count(field: Field, num_envs: int) -> int:
+    return num_envs * int(np.prod(field.shape, dtype=np.int64))
+
+
+def fields_nbytes(fields: list[Field], num_envs: int) -> int:
+    """Bytes needed by :func:`field_views` for ``fields`` with a leading ``num_envs`` dimension."""
+    return sum(_padded(_count(field, num_envs) * field.dtype.itemsize) for field in fields)
+
+
+def field_views(fields: list[Field], num_envs: int, memory: memoryview | bytearray) -> dict[str, np.ndarray]:
+    """One ``(num_envs, *field.shape)`` array per field, laid out one after the other in ``memory``."""
+    arrays, offset = {}, 0
+    for field in fields:
+        count = _count(field, num_envs)
+        array = np.frombuffer(memory, dtype=field.dtype, count=count, offset=offset)
+        arrays[field.name] = array.reshape((num_envs, *field.shape))
+        offset += _padded(count * field.dtype.itemsize)
+    return arrays
 
 
 class BatchBuffers:
@@ -62,13 +82,7 @@ class BatchBuffers:
     def __init__(self, spec: BatchSpec, memory: memoryview | bytearray) -> None:
         self.spec = spec
         self.obs_layout, self.final_obs_layout, self.act_layout = spec.layouts()
-        self.arrays: dict[str, np.ndarray] = {}
-        offset = 0
-        for field in spec.fields():
-            count = spec.num_envs * int(np.prod(field.shape, dtype=np.int64))
-            array = np.frombuffer(memory, dtype=field.dtype, count=count, offset=offset)
-            self.arrays[field.name] = array.reshape((spec.num_envs, *field.shape))
-            offset += _padded(count * field.dtype.itemsize)
+        self.arrays = field_views(spec.fields(), spec.num_envs, memory)
         self.obs = [self.arrays[f.name] for f in self.obs_layout.fields]
         self.final_obs = [self.arrays[f.name] for f in self.final_obs_layout.fields]
         self.actions = [self.arrays[f.name] for f in self.act_layout.fields]

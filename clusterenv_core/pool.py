@@ -19,12 +19,15 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.buffers import BatchBuffers, BatchSpec, field_views, fields_nbytes
 from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.transports import Transport, make_transport
 from clusterenv_core.protocol import AUTORESET_MODES, RESTART_INFO_KEY
+from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
 
 DEFAULT_TIMEOUT = 60.0
+# Starting a worker (interpreter, imports, env construction) may take longer than a step may.
+_START_TIMEOUT = 60.0
 _CLOSE_TIMEOUT = 5.0
 
 
@@ -151,6 +154,8 @@ class EnvPool:
         self._failure: ClusterEnvError | None = None
         self._stepping = False
         self._lost_in_step: dict[int, ClusterEnvError] = {}  # workers to replace before the step completes
+        self._weights = None  # published policy weights, once a policy is deployed
+        self._rollout_pending = None  # the region of a rollout started and not yet waited for
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._transport, self._awaiting)
         try:
@@ -184,7 +189,8 @@ class EnvPool:
         ]
         for worker in range(self.num_workers):
             self._send(worker, ("init", self._init_payloads[worker]))
-        descriptions = self._gather(range(self.num_workers), "creating the envs")
+        start_timeout = max(self.timeout, _START_TIMEOUT)
+        descriptions = self._gather(range(self.num_workers), "creating the envs", timeout=start_timeout)
         spaces = [pair for worker in range(self.num_workers) for pair in descriptions[worker]["spaces"]]
         self.observation_space, self.action_space = spaces[0]
         for index, (observation_space, action_space) in enumerate(spaces):
@@ -207,7 +213,7 @@ class EnvPool:
         self.buffers = self._transport.share_buffers(self.batch_spec, self.blocks)
         for worker, block in enumerate(self.blocks):
             self._send(worker, ("attach", {"spec": self.batch_spec, "block": block}))
-        self._gather(range(self.num_workers), "attaching buffers")
+        self._gather(range(self.num_workers), "attaching buffers", timeout=start_timeout)
         self._obs_layout = self.buffers.obs_layout
         self._act_layout = self.buffers.act_layout
         # Batched observations: views of the buffers, or per-env values for spaces without buffers.
@@ -230,6 +236,7 @@ class EnvPool:
         self._check_usable()
         if self._stepping:
             raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
+        self._check_not_stepping()
         self._drain()
         if self._act_layout.buffered:
             leaves = self._act_layout.check_batch(actions, self.num_envs)
@@ -347,6 +354,175 @@ class EnvPool:
         for index, obs in payload.get("obs", {}).items():
             self._obs[index] = obs
 
+    # -- worker-side inference --------------------------------------------------------------------
+
+    def deploy(self, policy: Any, seed: int | None = None) -> None:
+        """Ship ``policy`` (a torch module, see :mod:`clusterenv_core.inference`) to every worker once
+        and publish its weights as version 0; afterwards :meth:`publish_weights` updates them.
+
+        :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
+        """
+        from clusterenv_core.inference import WeightsRegion, flatten_weights, weights_fields
+
+        self._check_usable()
+        self._check_not_stepping()
+        if not self._obs_layout.buffered or len(self._act_layout.fields) != 1:
+            raise ValueError(
+                "worker-side inference needs an observation space with buffers and a single-array action "
+                f"space (Box, Discrete, MultiDiscrete, MultiBinary); got {self.observation_space}, {self.action_space}"
+            )
+        for method in ("act", "action_dist"):
+            if not callable(getattr(policy, method, None)):
+                raise TypeError(f"the policy must have an {method}() method (see clusterenv_core.inference)")
+        try:
+            policy_bytes = cloudpickle.dumps(policy, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
+        self._drain()
+        flat = flatten_weights(policy)
+        fields = weights_fields(flat.size)
+        handle, memory = self._transport.share_region(fields_nbytes(fields, 1))
+        self._weights = WeightsRegion(field_views(fields, 1, memory))
+        self.policy_version = 0
+        self._weights.write(flat, self.policy_version)
+        deliver = not self._transport.shares_memory
+        for worker in range(self.num_workers):
+            payload = {
+                "policy": policy_bytes,
+                "weights_handle": handle,
+                "count": flat.size,
+                "seed": None if seed is None else seed + worker,
+                "deliver": deliver,
+            }
+            self._send(worker, ("deploy", payload))
+            if deliver:
+                self._transport.send_arrays(worker, self._weights.arrays)
+        self._gather(range(self.num_workers), "deploying the policy")
+        self._delivered_version = [self.policy_version] * self.num_workers
+        #: size of one copy of the weights
+        self.weights_nbytes = flat.nbytes
+        self._rollout_regions: dict[int, list] = {}
+
+    def publish_weights(self, policy_or_weights: Any) -> int:
+        """Publish new weights (a module like the deployed one, or a flat float32 vector) to the
+        workers; returns their version. Workers pick them up at their next step (local backend) or
+        with their next rollout request (other backends)."""
+        from clusterenv_core.inference import flatten_weights
+
+        if self._weights is None:
+            raise ClusterEnvError("no policy deployed: call deploy first")
+        if isinstance(policy_or_weights, np.ndarray):
+            flat = np.asarray(policy_or_weights, dtype=np.float32).reshape(-1)
+        else:
+            flat = flatten_weights(policy_or_weights)
+        if flat.size != self._weights.weights.size:
+            raise ValueError(f"{flat.size} weights given, the deployed policy has {self._weights.weights.size}")
+        self.policy_version += 1
+        self._weights.write(flat, self.policy_version)
+        return self.policy_version
+
+    def rollout_async(self, n_steps: int, context: dict | None = None) -> None:
+        """Start every worker collecting ``n_steps`` steps of all its envs with its policy copy;
+        returns at once, so the learner can train while the segment is collected.
+
+        :param context: keyword arguments for the policy's ``act`` (e.g. an exploration rate)
+        """
+        self._check_usable()
+        self._check_not_stepping()
+        if self._weights is None:
+            raise ClusterEnvError("no policy deployed: call deploy first")
+        if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
+            raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
+        self._drain()
+        region = self._rollout_region(int(n_steps))
+        for worker, block in enumerate(self.blocks):
+            self._deliver_weights(worker)
+            payload = {
+                "n_steps": int(n_steps),
+                "context": dict(context or {}),
+                "handle": region.handle,
+                "block": block,
+                "num_envs": self.num_envs,
+            }
+            self._send(worker, ("rollout", payload))
+        self._rollout_pending = region
+
+    def rollout_wait(self, timeout: float | None = None) -> Rollout:
+        """Wait for the segment started by :meth:`rollout_async`.
+
+        :param timeout: seconds the whole segment may take (default: the pool's ``timeout``)
+        """
+        self._check_usable()
+        region = self._rollout_pending
+        if region is None:
+            raise ClusterEnvError("rollout_wait called without rollout_async")
+        timeout = self.timeout if timeout is None else timeout
+
+        def receive_segment(worker: int) -> None:
+            block = self.blocks[worker]
+            self._transport.recv_arrays(worker, [array[block.start : block.stop] for array in region.all], timeout)
+
+        try:
+            payloads = self._gather(sorted(self._awaiting), "rollout", timeout=timeout, on_reply=receive_segment)
+        finally:
+            if not self._awaiting:  # interrupted with replies unread, the rollout stays pending
+                self._rollout_pending = None
+        n_steps = region.rewards.shape[1]
+        infos: list[dict[int, dict]] = [{} for _ in range(n_steps)]
+        reset_infos: list[dict[int, dict]] = [{} for _ in range(n_steps)]
+        pickled_final_obs: dict[tuple[int, int], Any] = {}
+        for payload in payloads.values():
+            for step, parts in (payload or {}).get("steps", {}).items():
+                infos[step].update(parts.get("infos", ()))
+                reset_infos[step].update(parts.get("reset_infos", ()))
+                pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
+        if self.restart_failed_envs:
+            self.restarts["envs"] += sum(RESTART_INFO_KEY in info for step in infos for info in step.values())
+        obs_layout = self._obs_layout
+        return Rollout(
+            obs=time_major(obs_layout, region.obs),
+            actions=time_major(self._act_layout, region.actions),
+            rewards=region.rewards.T,
+            terminated=region.terminated.T,
+            truncated=region.truncated.T,
+            log_probs=region.log_probs.T,
+            values=region.values.T,
+            versions=region.versions.T,
+            last_obs=obs_layout.batch(region.last_obs),
+            infos=infos,
+            reset_infos=reset_infos,
+            pickled_final_obs=pickled_final_obs,
+            _final_obs=[array.swapaxes(0, 1) for array in region.final_obs],
+            _obs_layout=obs_layout,
+        )
+
+    def rollout(self, n_steps: int, context: dict | None = None, timeout: float | None = None) -> Rollout:
+        """:meth:`rollout_async` then :meth:`rollout_wait`."""
+        self.rollout_async(n_steps, context)
+        return self.rollout_wait(timeout)
+
+    def _rollout_region(self, n_steps: int) -> RolloutArrays:
+        """One of two regions per segment length, alternating, so a segment can be collected while
+        the previous one is still being read."""
+        slots = self._rollout_regions.setdefault(n_steps, [])
+        if len(slots) < 2:
+            fields = rollout_fields(self.batch_spec, n_steps)
+            handle, memory = self._transport.share_region(fields_nbytes(fields, self.num_envs))
+            region = RolloutArrays(field_views(fields, self.num_envs, memory), self._obs_layout, self._act_layout)
+            region.handle = handle
+            slots.append(region)
+            return region
+        slots.reverse()
+        return slots[0]
+
+    def _deliver_weights(self, worker: int) -> None:
+        if self._transport.shares_memory or self._delivered_version[worker] == self.policy_version:
+            return
+        self._send(worker, ("weights", None))
+        self._transport.send_arrays(worker, self._weights.arrays)
+        self._gather([worker], "delivering weights")
+        self._delivered_version[worker] = self.policy_version
+
     # -- per-env access ---------------------------------------------------------------------------
 
     def call(
@@ -436,14 +612,25 @@ class EnvPool:
             raise self._fail(error)
         self._awaiting.add(worker)
 
-    def _gather(self, workers: Iterable[int], what: str, step: bool = False) -> dict[int, Any]:
-        """Every listed worker's reply payload; the first remote error is raised once all have answered."""
+    def _gather(
+        self,
+        workers: Iterable[int],
+        what: str,
+        step: bool = False,
+        timeout: float | None = None,
+        on_reply: Callable[[int], None] | None = None,
+    ) -> dict[int, Any]:
+        """Every listed worker's reply payload; the first remote error is raised once all have answered.
+
+        ``on_reply(worker)`` runs after each successful reply (to receive arrays that follow it).
+        """
         recv = self._transport.recv_step if step else self._transport.recv
+        timeout = self.timeout if timeout is None else timeout
         payloads: dict[int, Any] = {}
         first_error: EnvError | None = None
         for worker in workers:
             try:
-                status, payload = recv(worker, self.timeout)
+                status, payload = recv(worker, timeout)
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not (step and self._may_replace(worker)):
                     raise self._fail(error)
@@ -464,6 +651,8 @@ class EnvPool:
                     )
             else:
                 payloads[worker] = payload
+                if on_reply is not None:
+                    on_reply(worker)
         if first_error is not None:
             raise first_error
         return payloads
@@ -485,10 +674,11 @@ class EnvPool:
         self._worker_restarts[worker] += 1
         self.restarts["workers"] += 1
         self._send(worker, ("init", dict(self._init_payloads[worker], restarted=True)))
-        self._gather([worker], "recreating the envs of a lost worker")
+        start_timeout = max(self.timeout, _START_TIMEOUT)
+        self._gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
         block = self.blocks[worker]
         self._send(worker, ("attach", {"spec": self.batch_spec, "block": block}))
-        self._gather([worker], "attaching buffers")
+        self._gather([worker], "attaching buffers", timeout=start_timeout)
 
         layout, rows = self._obs_layout, slice(block.start, block.stop)
         if layout.buffered:
@@ -542,6 +732,8 @@ class EnvPool:
     def _check_not_stepping(self) -> None:
         if self._stepping:
             raise ClusterEnvError("a step is pending: call step_wait first")
+        if self._rollout_pending is not None:
+            raise ClusterEnvError("a rollout is pending: call rollout_wait first")
 
     # -- lifetime ---------------------------------------------------------------------------------
 

@@ -75,6 +75,8 @@ class EnvBlock:
         self.last_pickled_obs: list = [None] * len(self.envs)  # observations of spaces without buffers
         self.buffers = None
         self.row0 = 0
+        self.host = None  # the deployed policy copy, for rollouts
+        self.rollout_regions: dict = {}
 
     def _make_env(self, row: int) -> Any:
         try:
@@ -212,6 +214,43 @@ class EnvBlock:
                 infos[index] = info
         return _payload(infos=infos, obs=pickled_obs)
 
+    def rollout(self, n_steps: int, context: dict, host, arrays) -> dict | None:
+        """Run ``n_steps`` steps of every env, acting with the local policy copy, into ``arrays``
+        (a :class:`~clusterenv_core.rollout.RolloutArrays` whose rows start at ``arrays.row0``).
+
+        Each step goes through :meth:`step`, so autoreset, restarts and infos behave as in a
+        learner-driven step; returns the non-empty step payloads by step index.
+        """
+        buffers, rows = self.buffers, self.rows
+        segment = slice(arrays.row0, arrays.row0 + len(self.envs))
+        (actions,) = buffers.actions  # deploy checked that the action space is one field
+        payloads: dict[int, dict] = {}
+        for t in range(n_steps):
+            version = host.refresh()
+            current = [array[rows] for array in buffers.obs]
+            for kept, now in zip(arrays.obs, current):
+                kept[segment, t] = now
+            try:
+                out = host.act(self.obs_layout.batch(current), context)
+            except Exception as error:
+                raise RemoteFailure(None, "policy act", error) from error
+            actions[rows] = out.get("env_actions", out["actions"])
+            arrays.actions[0][segment, t] = out["actions"]
+            for name in ("log_probs", "values"):
+                if name in out:
+                    getattr(arrays, name)[segment, t] = out[name].reshape(-1)
+            payload = self.step()
+            for name in ("rewards", "terminated", "truncated"):
+                getattr(arrays, name)[segment, t] = getattr(buffers, name)[rows]
+            for kept, final in zip(arrays.final_obs, buffers.final_obs):
+                kept[segment, t] = final[rows]
+            arrays.versions[segment, t] = version
+            if payload:
+                payloads[t] = payload
+        for kept, now in zip(arrays.last_obs, buffers.obs):
+            kept[segment] = now[rows]
+        return {"steps": payloads} if payloads else None
+
     def call(self, name: str, args: tuple, kwargs: dict, rows: list[int], require_callable: bool) -> list:
         """Look ``name`` up through the wrappers of each selected env; call it if callable.
 
@@ -327,6 +366,9 @@ def serve(connection: WorkerConnection) -> int:
             except Exception as error:  # a bug or a bad message: report it rather than die silently
                 reply = RemoteFailure(None, op, error).reply(0)
             connection.send(reply)
+            if op == "rollout" and reply[0] == "ok":
+                arrays = _rollout_arrays(block, payload, connection)
+                connection.send_arrays([array[arrays.row0 : arrays.row0 + len(block.envs)] for array in arrays.all])
     finally:
         if block is not None:
             try:
@@ -354,6 +396,35 @@ def _create_block(payload: dict) -> EnvBlock:
     )
 
 
+def _deploy(block: EnvBlock, payload: dict, connection: WorkerConnection) -> None:
+    from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
+
+    views, _ = connection.map_region(payload["weights_handle"], weights_fields(payload["count"]), 1, range(1))
+    weights = WeightsRegion(views)
+    if payload["deliver"]:
+        connection.recv_arrays(weights.arrays)
+    try:
+        block.host = PolicyHost(payload["policy"], weights, payload["seed"])
+    except Exception as error:
+        raise RemoteFailure(None, "deploying the policy", error) from error
+    block.rollout_regions = {}
+
+
+def _rollout_arrays(block: EnvBlock, payload: dict, connection: WorkerConnection):
+    """The segment region the learner named, mapped on first use."""
+    from clusterenv_core.rollout import RolloutArrays, rollout_fields
+
+    handle = payload["handle"]
+    key = repr(handle)
+    if key not in block.rollout_regions:
+        fields = rollout_fields(block.buffers.spec, payload["n_steps"])
+        views, row0 = connection.map_region(handle, fields, payload["num_envs"], payload["block"])
+        arrays = RolloutArrays(views, block.obs_layout, block.buffers.act_layout)
+        arrays.row0 = row0
+        block.rollout_regions[key] = arrays
+    return block.rollout_regions[key]
+
+
 def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnection) -> Any:
     if op == "attach":
         buffers, row0 = connection.attach(payload["spec"], payload["block"])
@@ -364,6 +435,14 @@ def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnecti
         return None
     if op == "reset":
         return block.reset(payload["seeds"], payload["options"], payload["mask"])
+    if op == "deploy":
+        return _deploy(block, payload, connection)
+    if op == "weights":  # backends without shared memory deliver weights as a message
+        connection.recv_arrays(block.host.weights.arrays)
+        return None
+    if op == "rollout":
+        arrays = _rollout_arrays(block, payload, connection)
+        return block.rollout(payload["n_steps"], payload["context"], block.host, arrays)
     if op == "call":
         return block.call(payload["name"], payload["args"], payload["kwargs"], payload["rows"], payload["require_callable"])
     if op == "get_attr":

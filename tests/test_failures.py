@@ -141,12 +141,12 @@ def test_worker_dying_during_step_raises_worker_lost(no_leaks):
 
 def test_stuck_env_times_out_and_close_kills_it(no_leaks):
     env_fns = [CARTPOLE, functools.partial(_wrapped, HangingEnv, hang_at=1)]
-    pool = EnvPool(env_fns, num_workers=2, timeout=1.0)
+    pool = EnvPool(env_fns, num_workers=2, timeout=2.0)
     pool.reset()
     started = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match="did not answer within 1 s"):
+    with pytest.raises(WorkerTimeoutError, match="worker 1 .* did not answer within 2 s"):
         _step_zeros(pool)
-    assert 1.0 <= time.monotonic() - started < 3.0
+    assert 2.0 <= time.monotonic() - started < 6.0
     started = time.monotonic()
     pool.close()
     assert time.monotonic() - started < 5

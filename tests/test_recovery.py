@@ -93,14 +93,14 @@ def test_lost_worker_is_replaced_same_step():
 def test_stuck_worker_is_replaced_next_step():
     env_fns = [CARTPOLE, functools.partial(_with, HangingEnv, hang_at=2)]
     with EnvPool(
-        env_fns, num_workers=2, timeout=1.0, autoreset_mode="next_step", restart_failed_workers=True
+        env_fns, num_workers=2, timeout=3.0, autoreset_mode="next_step", restart_failed_workers=True
     ) as pool:
         pool.reset(seeds=[0, 1])
         pool.step(_zeros(pool))
         before = _obs_copy(pool)
         result = pool.step(_zeros(pool))
         assert result.truncated.tolist() == [False, True]
-        assert "did not answer within 1 s" in result.infos[1][RESTART_INFO_KEY]
+        assert "did not answer within 3 s" in result.infos[1][RESTART_INFO_KEY]
         np.testing.assert_array_equal(result.obs[1], before[1])
         result = pool.step(_zeros(pool))
         assert result.rewards[1] == 0.0 and not result.truncated[1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
 
 
 class Transport(ABC):
@@ -27,6 +27,8 @@ class Transport(ABC):
     num_workers: int
     #: workers that timed out or were lost; they get no more messages and ``close`` kills them at once
     failed: set[int]
+    #: whether workers see the learner's regions directly (else ``send_arrays``/``recv_arrays`` copy them)
+    shares_memory: bool = False
 
     @abstractmethod
     def start(self, num_workers: int, timeout: float) -> None:
@@ -54,6 +56,22 @@ class Transport(ABC):
     @abstractmethod
     def recv_step(self, worker: int, timeout: float) -> Any:
         """Wait for one worker's step reply; afterwards its result rows are in the buffers."""
+
+    def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
+        """Extra memory for the workers (rollout segments, policy weights): ``(handle, memory)``.
+
+        Workers map it with :meth:`WorkerConnection.map_region`. Where memory is not shared, the
+        contents move with :meth:`send_arrays` and :meth:`recv_arrays`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no extra regions")
+
+    def send_arrays(self, worker: int, arrays: list) -> None:
+        """Make the worker's copies of ``arrays`` (numpy views of a region) equal the learner's."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move arrays")
+
+    def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
+        """Receive the worker's copies of ``arrays`` into them (sent with ``WorkerConnection.send_arrays``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move arrays")
 
     def restart(self, worker: int, timeout: float) -> None:
         """Replace a lost or stuck worker by a new one waiting for its first message.
@@ -91,6 +109,19 @@ class WorkerConnection(ABC):
     @abstractmethod
     def send_step(self, reply: Any) -> None:
         """Reply to a step: the result rows of this worker's block are in the buffers."""
+
+    def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
+        """Views of a region the learner laid out with ``fields`` for ``num_envs`` envs, and the row
+        of this worker's first env in them (the region may hold only this worker's rows)."""
+        raise NotImplementedError(f"{type(self).__name__} has no extra regions")
+
+    def send_arrays(self, arrays: list) -> None:
+        """Send this worker's rows of a region's arrays to the learner."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move arrays")
+
+    def recv_arrays(self, arrays: list) -> None:
+        """Receive arrays sent with :meth:`Transport.send_arrays`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move arrays")
 
     def close(self) -> None:
         """Release the connection before the worker exits."""

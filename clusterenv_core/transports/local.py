@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Any
 
-from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
@@ -107,6 +107,8 @@ class LocalTransport(Transport):
     :param env: extra environment variables for the worker processes
     """
 
+    shares_memory = True
+
     def __init__(self, python: str | None = None, env: dict[str, str] | None = None) -> None:
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
@@ -114,6 +116,8 @@ class LocalTransport(Transport):
         self.sockets: list[_MessageSocket] = []
         self.memory_fd: int | None = None
         self.memory: mmap.mmap | None = None
+        self.memory_size = 0
+        self.regions: list[mmap.mmap] = []
         self.failed: set[int] = set()
 
     @property
@@ -197,7 +201,23 @@ class LocalTransport(Transport):
         nbytes = spec.nbytes()
         os.ftruncate(self.memory_fd, nbytes)
         self.memory = mmap.mmap(self.memory_fd, nbytes)
+        self.memory_size = nbytes
         return BatchBuffers(spec, self.memory)
+
+    def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
+        # Regions are appended to the same memory file, page-aligned so each can be mapped alone.
+        offset = -(-self.memory_size // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        os.ftruncate(self.memory_fd, offset + nbytes)
+        self.memory_size = offset + nbytes
+        region = mmap.mmap(self.memory_fd, nbytes, offset=offset)
+        self.regions.append(region)
+        return (offset, nbytes), region
+
+    def send_arrays(self, worker: int, arrays: list) -> None:
+        pass  # shared memory: the worker sees the learner's arrays
+
+    def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
+        pass
 
     def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -212,12 +232,13 @@ class LocalTransport(Transport):
         for channel in self.sockets:
             channel.sock.close()
         self.processes, self.sockets = [], []
-        if self.memory is not None:
-            try:
-                self.memory.close()
-            except BufferError:  # views still exported; the mapping goes with them
-                pass
-            self.memory = None
+        for mapping in [self.memory, *self.regions]:
+            if mapping is not None:
+                try:
+                    mapping.close()
+                except BufferError:  # views still exported; the mapping goes with them
+                    pass
+        self.memory, self.regions = None, []
         if self.memory_fd is not None:
             os.close(self.memory_fd)
             self.memory_fd = None
@@ -252,6 +273,17 @@ class LocalWorkerConnection(WorkerConnection):
     def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
         self.memory = mmap.mmap(self.memory_fd, spec.nbytes())
         return BatchBuffers(spec, self.memory), block.start
+
+    def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
+        offset, nbytes = handle
+        region = mmap.mmap(self.memory_fd, nbytes, offset=offset)
+        return field_views(fields, num_envs, region), block.start
+
+    def send_arrays(self, arrays: list) -> None:
+        pass  # shared memory: the learner sees the worker's arrays
+
+    def recv_arrays(self, arrays: list) -> None:
+        pass
 
     def close(self) -> None:
         self.channel.sock.close()

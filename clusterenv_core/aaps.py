@@ -1,0 +1,191 @@
+"""Adaptive Actor Policy Synchronization (AAPS): ship new weights only when the policy has drifted.
+
+The learner keeps a snapshot of the policy the workers hold. After each update it compares
+snapshot and current policy on a probe batch of recent observations — both evaluated on the *same*
+states — and publishes the weights only when the divergence exceeds a threshold:
+
+- stochastic policies: mean KL(pi_deployed || pi_current), in closed form for Categorical,
+  diagonal Gaussian, MultiCategorical and Bernoulli distributions;
+- greedy or epsilon-greedy value-based policies: the fraction of probe states whose greedy action
+  changed.
+
+A policy reports its distribution with ``action_dist(obs)`` returning one of
+``("categorical", logits)``, ``("gaussian", mean, log_std)``, ``("multicategorical", [logits, ...])``,
+``("bernoulli", logits)`` or ``("greedy", q_values)``. torch is imported only when used.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SYNC_MODES = ("always", "aaps", "never")
+
+
+def _categorical_kl(logits_p, logits_q):
+    log_p = logits_p.log_softmax(-1)
+    log_q = logits_q.log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def per_state_divergence(deployed: tuple, current: tuple):
+    """Divergence of each probe state between two ``action_dist`` results of the same kind."""
+    import torch.nn.functional as F
+
+    kind = deployed[0]
+    if kind != current[0]:
+        raise ValueError(f"cannot compare a {kind} policy with a {current[0]} policy")
+    if kind == "categorical":
+        return _categorical_kl(deployed[1], current[1])
+    if kind == "multicategorical":
+        return sum(_categorical_kl(p, q) for p, q in zip(deployed[1], current[1]))
+    if kind == "gaussian":
+        mean_p, log_std_p = deployed[1], deployed[2]
+        mean_q, log_std_q = current[1], current[2]
+        var_p, var_q = (2 * log_std_p).exp(), (2 * log_std_q).exp()
+        kl = log_std_q - log_std_p + (var_p + (mean_p - mean_q) ** 2) / (2 * var_q) - 0.5
+        return kl.reshape(kl.shape[0], -1).sum(-1) if kl.dim() > 1 else kl
+    if kind == "bernoulli":
+        p, q = deployed[1], current[1]
+        # KL(Bern(sigmoid p) || Bern(sigmoid q)) with log-sigmoids for stability.
+        prob_p = p.sigmoid()
+        kl = prob_p * (F.logsigmoid(p) - F.logsigmoid(q)) + (1 - prob_p) * (F.logsigmoid(-p) - F.logsigmoid(-q))
+        return kl.reshape(kl.shape[0], -1).sum(-1)
+    if kind == "greedy":
+        return (deployed[1].argmax(-1) != current[1].argmax(-1)).float()
+    raise ValueError(f"unknown distribution kind {kind!r}")
+
+
+def divergence(deployed_policy: Any, current_policy: Any, probe_obs: Any) -> float:
+    """Mean divergence between two policies on the same probe observations (numpy or tensors)."""
+    import torch
+
+    obs = _to_tensor(probe_obs)
+    with torch.no_grad():
+        return float(per_state_divergence(deployed_policy.action_dist(obs), current_policy.action_dist(obs)).mean())
+
+
+def _to_tensor(obs: Any):
+    import torch
+
+    if isinstance(obs, dict):
+        return {key: torch.as_tensor(value) for key, value in obs.items()}
+    return torch.as_tensor(obs)
+
+
+@dataclass
+class SyncStats:
+    """What synchronization cost and how stale the workers' policy was."""
+
+    updates: int = 0
+    syncs: int = 0
+    weight_bytes_sent: int = 0
+    last_divergence: float = float("nan")
+    updates_since_sync: int = 0
+    steps_collected: int = 0
+    policy_lag_sum: int = 0
+    max_policy_lag: int = 0
+
+    @property
+    def mean_policy_lag(self) -> float:
+        """Mean number of published versions each collected step lagged behind the learner."""
+        return self.policy_lag_sum / self.steps_collected if self.steps_collected else 0.0
+
+
+class PolicySync:
+    """Decides after each learner update whether the workers get the new weights.
+
+    :param pool: the :class:`~clusterenv_core.pool.EnvPool` the policy is deployed on
+    :param policy: the learner's policy module (the one updated in place)
+    :param mode: ``"always"`` (every update, the baseline), ``"aaps"`` (when the divergence exceeds
+        ``threshold``) or ``"never"`` (workers keep the initial weights)
+    :param threshold: divergence above which ``aaps`` pushes (strictly greater)
+    :param max_staleness: with ``aaps``, push anyway after this many updates without a push
+    :param probe_size: number of recent observations the divergence is measured on
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        policy: Any,
+        mode: str = "aaps",
+        threshold: float = 0.01,
+        max_staleness: int | None = None,
+        probe_size: int = 256,
+    ) -> None:
+        if mode not in SYNC_MODES:
+            raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {threshold!r}")
+        if max_staleness is not None and max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1 or None, got {max_staleness!r}")
+        if probe_size < 1:
+            raise ValueError(f"probe_size must be >= 1, got {probe_size!r}")
+        self.pool = pool
+        self.policy = policy
+        self.mode = mode
+        self.threshold = float(threshold)
+        self.max_staleness = max_staleness
+        self.probe_size = probe_size
+        self.deployed = copy.deepcopy(policy)
+        self.probe_obs: Any = None
+        self.stats = SyncStats()
+
+    def observe(self, obs: Any, leading_dims: int = 2) -> None:
+        """Take the probe batch from recent observations (e.g. a rollout's ``(n_steps, num_envs, ...)``)."""
+        def flat(array: np.ndarray) -> np.ndarray:
+            array = np.asarray(array)
+            array = array.reshape(-1, *array.shape[leading_dims:])
+            # Evenly spaced states: deterministic, and spread over the whole segment.
+            picks = np.linspace(0, len(array) - 1, min(self.probe_size, len(array))).astype(np.int64)
+            return array[picks].copy()
+
+        self.probe_obs = {key: flat(value) for key, value in obs.items()} if isinstance(obs, dict) else flat(obs)
+
+    def record_rollout(self, versions: np.ndarray) -> None:
+        """Account the policy lag of collected steps (``versions`` as a rollout reports them)."""
+        lag = self.pool.policy_version - np.asarray(versions)
+        self.stats.steps_collected += lag.size
+        self.stats.policy_lag_sum += int(lag.sum())
+        self.stats.max_policy_lag = max(self.stats.max_policy_lag, int(lag.max(initial=0)))
+
+    def after_update(self) -> bool:
+        """Call after each learner update; publishes the weights if the mode says so. Returns whether it did."""
+        stats = self.stats
+        stats.updates += 1
+        stats.updates_since_sync += 1
+        if self.mode == "never":
+            return False
+        if self.mode == "aaps":
+            if self.probe_obs is None:
+                raise RuntimeError("no probe observations: call observe() with recent observations first")
+            stats.last_divergence = divergence(self.deployed, self.policy, self.probe_obs)
+            stale = self.max_staleness is not None and stats.updates_since_sync >= self.max_staleness
+            if not (stats.last_divergence > self.threshold or stale):
+                return False
+        self.push()
+        return True
+
+    def push(self) -> None:
+        """Publish the current weights and make them the new snapshot."""
+        self.pool.publish_weights(self.policy)
+        self.deployed.load_state_dict(self.policy.state_dict())
+        self.stats.syncs += 1
+        self.stats.weight_bytes_sent += self.pool.weights_nbytes * self.pool.num_workers
+        self.stats.updates_since_sync = 0
+
+    def summary(self) -> dict[str, float]:
+        """Counters for logging (``aaps/...`` in SB3, TensorBoard scalars in CleanRL)."""
+        stats = self.stats
+        return {
+            "updates": stats.updates,
+            "syncs": stats.syncs,
+            "weight_bytes_sent": stats.weight_bytes_sent,
+            "last_divergence": stats.last_divergence,
+            "updates_since_sync": stats.updates_since_sync,
+            "mean_policy_lag": stats.mean_policy_lag,
+            "max_policy_lag": stats.max_policy_lag,
+        }

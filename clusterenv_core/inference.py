@@ -1,0 +1,141 @@
+"""Worker-side inference: a copy of the policy on every worker, fed by versioned flat weights.
+
+The policy is shipped once (cloudpickled module). After that, weights travel as one flat float32
+vector with a version number in a small region: the local backend shares the region, so a worker
+picks up new weights at its next step; other backends copy the region to each worker. Reads and
+writes follow a sequence lock, so a worker never loads half-written weights.
+
+A deployable policy is a ``torch.nn.Module`` with
+
+- ``act(obs, **context) -> dict`` of tensors: ``"actions"`` (stored in the rollout), optionally
+  ``"env_actions"`` (sent to the envs instead, e.g. clipped), ``"log_probs"`` and ``"values"``;
+  ``obs`` is a tensor (a dict of tensors for Dict spaces) of a worker's envs, ``context`` what the
+  learner passed to the rollout (an exploration rate, ...);
+- ``action_dist(obs) -> (kind, *params)`` for AAPS on the learner (see :mod:`clusterenv_core.aaps`).
+
+torch is imported here only inside functions, so the core imports without it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import numpy as np
+
+from clusterenv_core.buffers import Field
+
+_SEQUENCE, _VERSION = 0, 1
+
+
+def weight_tensors(module: Any) -> list:
+    """The floating-point parameters and buffers of ``module``, in ``state_dict`` order."""
+    return [t for t in module.state_dict(keep_vars=True).values() if t.dtype.is_floating_point]
+
+
+def flatten_weights(module: Any) -> np.ndarray:
+    """All weights of ``module`` as one float32 vector."""
+    import torch
+
+    with torch.no_grad():
+        return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in weight_tensors(module)]).cpu().numpy()
+
+
+def load_weights(module: Any, flat: np.ndarray) -> None:
+    """Copy a vector made by :func:`flatten_weights` into ``module``."""
+    import torch
+
+    tensors = weight_tensors(module)
+    expected = sum(tensor.numel() for tensor in tensors)
+    if flat.size != expected:
+        raise ValueError(f"weight vector has {flat.size} values, the module {expected}")
+    source = torch.from_numpy(flat)
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            count = tensor.numel()
+            tensor.copy_(source[offset : offset + count].view_as(tensor))
+            offset += count
+
+
+def weights_fields(count: int) -> list[Field]:
+    """Layout of a weights region (one row): a (sequence, version) header and the weights."""
+    return [Field("weights.header", (2,), np.dtype(np.int64)), Field("weights", (count,), np.dtype(np.float32))]
+
+
+class WeightsRegion:
+    """Versioned weights over the arrays of :func:`weights_fields` (a sequence lock guards them).
+
+    :param arrays: the views made from :func:`weights_fields`
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.header = arrays["weights.header"][0]
+        self.weights = arrays["weights"][0]
+        self.arrays = [arrays["weights.header"], arrays["weights"]]
+
+    @property
+    def version(self) -> int:
+        return int(self.header[_VERSION])
+
+    def write(self, flat: np.ndarray, version: int) -> None:
+        """Publish ``flat`` as ``version`` (learner side)."""
+        self.header[_SEQUENCE] += 1  # odd: a write is in progress
+        self.weights[:] = flat
+        self.header[_VERSION] = version
+        self.header[_SEQUENCE] += 1
+
+    def read_newer(self, known_version: int, out: np.ndarray) -> int | None:
+        """Copy the weights into ``out`` if their version differs from ``known_version``; returns the
+        version copied, or ``None`` when nothing changed."""
+        while True:
+            sequence = int(self.header[_SEQUENCE])
+            version = int(self.header[_VERSION])
+            if sequence % 2 == 0 and version == known_version:
+                return None
+            if sequence % 2 == 0:
+                out[:] = self.weights
+                if int(self.header[_SEQUENCE]) == sequence:
+                    return version
+            time.sleep(0)  # the learner is writing; let it finish
+
+
+class PolicyHost:
+    """A worker's copy of the deployed policy.
+
+    :param policy_bytes: the cloudpickled module
+    :param weights: the weights region the learner publishes to
+    :param seed: seed of the worker's torch generator (sampling actions), or ``None``
+    """
+
+    def __init__(self, policy_bytes: bytes, weights: WeightsRegion, seed: int | None) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # several workers share the cores; one thread each
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.torch = torch
+        self.policy = pickle.loads(policy_bytes)
+        self.weights = weights
+        self.version = -1
+        self._flat = np.empty_like(weights.weights)
+
+    def refresh(self) -> int:
+        """Load newer weights if the learner published any; returns the version in use."""
+        version = self.weights.read_newer(self.version, self._flat)
+        if version is not None:
+            load_weights(self.policy, self._flat)
+            self.version = version
+        return self.version
+
+    def act(self, obs: Any, context: dict) -> dict[str, np.ndarray]:
+        """Run the policy on a batch of observations (numpy, as the buffers hold them)."""
+        torch = self.torch
+        if isinstance(obs, dict):
+            tensors = {key: torch.as_tensor(value) for key, value in obs.items()}
+        else:
+            tensors = torch.as_tensor(obs)
+        with torch.no_grad():
+            out = self.policy.act(tensors, **context)
+        return {key: value.cpu().numpy() for key, value in out.items()}

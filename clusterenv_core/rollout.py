@@ -1,0 +1,92 @@
+"""Rollout segments: what workers collect with their policy copy, laid out for one message per worker.
+
+A segment of ``n_steps`` lives in a region whose arrays are env-major, ``(num_envs, n_steps, ...)``,
+so a worker's block of envs is one contiguous slice; :class:`Rollout` presents them time-major,
+``(n_steps, num_envs, ...)``, as RL code indexes rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from clusterenv_core.buffers import BatchSpec, Field
+from clusterenv_core.spaces import SpaceLayout
+
+STEP_FIELDS = ("rewards", "terminated", "truncated", "log_probs", "values", "versions")
+
+
+def rollout_fields(spec: BatchSpec, n_steps: int) -> list[Field]:
+    """Fields of a segment, per env: observations before each step, final observations, the
+    observation after the last step, actions, and the per-step scalars."""
+    obs, final_obs, act = spec.layouts()
+    fields = [Field(f"r.{f.name}", (n_steps, *f.shape), f.dtype) for f in [*obs.fields, *final_obs.fields]]
+    fields += [Field(f"r.last_{f.name}", f.shape, f.dtype) for f in obs.fields]
+    fields += [Field(f"r.{f.name}", (n_steps, *f.shape), f.dtype) for f in act.fields]
+    dtypes = {"rewards": np.float64, "terminated": np.bool_, "truncated": np.bool_, "log_probs": np.float32}
+    dtypes.update(values=np.float32, versions=np.int64)
+    fields += [Field(f"r.{name}", (n_steps,), np.dtype(dtypes[name])) for name in STEP_FIELDS]
+    return fields
+
+
+class RolloutArrays:
+    """Named env-major views of a segment region.
+
+    :param arrays: views made from :func:`rollout_fields`
+    :param obs_layout: layout of the observation space
+    :param act_layout: layout of the action space
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], obs_layout: SpaceLayout, act_layout: SpaceLayout) -> None:
+        self.all = list(arrays.values())
+        self.obs = [arrays[f"r.{f.name}"] for f in obs_layout.fields]
+        self.final_obs = [arrays[f"r.final_{f.name}"] for f in obs_layout.fields]
+        self.last_obs = [arrays[f"r.last_{f.name}"] for f in obs_layout.fields]
+        self.actions = [arrays[f"r.{f.name}"] for f in act_layout.fields]
+        for name in STEP_FIELDS:
+            setattr(self, name, arrays[f"r.{name}"])
+
+
+@dataclass
+class Rollout:
+    """A collected segment, time-major: arrays are ``(n_steps, num_envs, ...)`` views of the region
+    (valid until the pool reuses it two segments later; copy what you keep longer).
+
+    ``obs[t]`` is what the policy saw at step ``t``, ``actions[t]`` what it chose, ``rewards[t]``,
+    ``terminated[t]``, ``truncated[t]`` what the env returned; after an episode end the next
+    observation is already the reset one (``same_step`` autoreset) and the last one is
+    :meth:`final_observation`. ``last_obs`` follows the last step. ``versions[t]`` is the weights
+    version each step acted with; ``log_probs``/``values`` are zeros unless the policy returns them.
+    """
+
+    obs: Any
+    actions: Any
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    versions: np.ndarray
+    last_obs: Any
+    infos: list[dict[int, dict]]
+    reset_infos: list[dict[int, dict]]
+    pickled_final_obs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _final_obs: list[np.ndarray] = field(default_factory=list)
+    _obs_layout: SpaceLayout | None = None
+
+    @property
+    def n_steps(self) -> int:
+        return self.rewards.shape[0]
+
+    def final_observation(self, step: int, index: int) -> Any:
+        """The last observation of the episode env ``index`` ended at ``step``."""
+        if (step, index) in self.pickled_final_obs:
+            return self.pickled_final_obs[(step, index)]
+        return self._obs_layout.read([array[step] for array in self._final_obs], index)
+
+
+def time_major(layout: SpaceLayout, arrays: list[np.ndarray]) -> Any:
+    """The batched structure of ``layout`` over env-major arrays, with time first."""
+    return layout.batch([array.swapaxes(0, 1) for array in arrays])

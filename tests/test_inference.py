@@ -1,0 +1,232 @@
+"""Worker-side inference and AAPS: divergences, the sync trigger, weights, rollouts."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from clusterenv_core import ClusterEnvError, EnvError, EnvPool  # noqa: E402
+from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
+from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
+from tests.envs import FailingEnv  # noqa: E402
+
+D = torch.distributions
+
+
+class LinearPolicy(torch.nn.Module):
+    """A linear policy over CartPole observations, greedy or sampling."""
+
+    def __init__(self, greedy: bool = True) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.greedy = greedy
+
+    def act(self, obs):
+        logits = self.linear(obs)
+        dist = D.Categorical(logits=logits)
+        actions = logits.argmax(-1) if self.greedy else dist.sample()
+        return {"actions": actions, "log_probs": dist.log_prob(actions), "values": logits.sum(-1)}
+
+    def action_dist(self, obs):
+        return ("categorical", self.linear(obs))
+
+
+def test_divergences_match_closed_forms():
+    gen = torch.Generator().manual_seed(0)
+    p, q = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    expected = D.kl_divergence(D.Categorical(logits=p), D.Categorical(logits=q))
+    torch.testing.assert_close(per_state_divergence(("categorical", p), ("categorical", q)), expected)
+
+    mp, mq, sp, sq = (torch.randn(5, 2, generator=gen) for _ in range(4))
+    expected = D.kl_divergence(D.Normal(mp, sp.exp()), D.Normal(mq, sq.exp())).sum(-1)
+    torch.testing.assert_close(per_state_divergence(("gaussian", mp, sp), ("gaussian", mq, sq)), expected)
+
+    parts_p, parts_q = [p, p[:, :2]], [q, q[:, :2]]
+    expected = sum(D.kl_divergence(D.Categorical(logits=a), D.Categorical(logits=b)) for a, b in zip(parts_p, parts_q))
+    torch.testing.assert_close(per_state_divergence(("multicategorical", parts_p), ("multicategorical", parts_q)), expected)
+
+    expected = D.kl_divergence(D.Bernoulli(logits=p), D.Bernoulli(logits=q)).sum(-1)
+    torch.testing.assert_close(per_state_divergence(("bernoulli", p), ("bernoulli", q)), expected)
+
+    q_values = torch.tensor([[1.0, 2.0], [3.0, 0.0], [0.0, 1.0], [5.0, 4.0]])
+    changed = torch.tensor([[2.0, 1.0], [3.0, 0.0], [0.0, 1.0], [4.0, 5.0]])
+    assert per_state_divergence(("greedy", q_values), ("greedy", changed)).mean().item() == 0.5
+
+    assert per_state_divergence(("categorical", p), ("categorical", p)).abs().max().item() < 1e-6
+
+
+class FakePool:
+    """Records what PolicySync publishes, without workers."""
+
+    def __init__(self) -> None:
+        self.policy_version = 0
+        self.weights_nbytes = 40
+        self.num_workers = 3
+        self.published = []
+
+    def publish_weights(self, policy):
+        self.policy_version += 1
+        self.published.append(flatten_weights(policy))
+        return self.policy_version
+
+
+def _drift(policy: LinearPolicy, amount: float) -> None:
+    with torch.no_grad():
+        policy.linear.weight[0] += amount
+
+
+def test_aaps_pushes_exactly_when_the_threshold_is_crossed():
+    torch.manual_seed(0)
+    policy = LinearPolicy()
+    probe = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    pool = FakePool()
+    sync = PolicySync(pool, policy, mode="aaps", threshold=0.0)
+    sync.observe(probe, leading_dims=1)
+    snapshot = sync.deployed
+    _drift(policy, 0.3)
+    crossing = divergence(snapshot, policy, probe)
+    assert crossing > 0
+
+    sync.threshold = crossing  # equal is not above: no push
+    assert sync.after_update() is False and pool.published == []
+    assert sync.stats.last_divergence == pytest.approx(crossing)
+    sync.threshold = np.nextafter(crossing, 0)  # just below: push
+    assert sync.after_update() is True
+    np.testing.assert_array_equal(pool.published[-1], flatten_weights(policy))
+    assert divergence(sync.deployed, policy, probe) == 0.0  # the snapshot is the pushed policy
+    assert sync.summary()["syncs"] == 1 and sync.summary()["weight_bytes_sent"] == 40 * 3
+
+
+def test_sync_modes_and_staleness_bound():
+    policy = LinearPolicy()
+    pool = FakePool()
+    always = PolicySync(pool, policy, mode="always")
+    never = PolicySync(pool, policy, mode="never")
+    stale = PolicySync(pool, policy, mode="aaps", threshold=1e9, max_staleness=3)
+    stale.observe(np.zeros((8, 4), np.float32), leading_dims=1)
+    pushes = [(always.after_update(), never.after_update(), stale.after_update()) for _ in range(6)]
+    assert [p[0] for p in pushes] == [True] * 6
+    assert [p[1] for p in pushes] == [False] * 6
+    assert [p[2] for p in pushes] == [False, False, True, False, False, True]
+    with pytest.raises(ValueError):
+        PolicySync(pool, policy, mode="sometimes")
+
+
+def test_flatten_and_load_weights_round_trip():
+    a, b = LinearPolicy(), LinearPolicy()
+    load_weights(b, flatten_weights(a))
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError):
+        load_weights(b, np.zeros(3, np.float32))
+
+
+def _reference(policy, seeds, n_steps):
+    """The same rollout, stepped sequentially in this process."""
+    envs = [gym.make("CartPole-v1") for _ in seeds]
+    obs = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)])
+    steps = []
+    for _ in range(n_steps):
+        with torch.no_grad():
+            actions = policy.act(torch.as_tensor(obs))["actions"].numpy()
+        step = {"obs": obs.copy(), "actions": actions, "rewards": [], "done": [], "final": {}}
+        for i, env in enumerate(envs):
+            o, r, term, trunc, _ = env.step(actions[i])
+            step["rewards"].append(r)
+            step["done"].append(term or trunc)
+            if term or trunc:
+                step["final"][i] = o
+                o, _ = env.reset()
+            obs[i] = o
+        steps.append(step)
+    return steps, obs
+
+
+def test_rollout_equals_sequential_reference():
+    torch.manual_seed(1)
+    policy = LinearPolicy(greedy=True)
+    seeds = [10, 11, 12, 13, 14]
+    expected, last_obs = _reference(policy, seeds, 120)
+    with EnvPool.make("CartPole-v1", 5, num_workers=2) as pool:
+        pool.reset(seeds=seeds)
+        pool.deploy(policy)
+        rollout = pool.rollout(120)
+        assert rollout.obs.shape == (120, 5, 4) and rollout.actions.shape == (120, 5)
+        for t, step in enumerate(expected):
+            np.testing.assert_array_equal(rollout.obs[t], step["obs"])
+            np.testing.assert_array_equal(rollout.actions[t], step["actions"])
+            assert rollout.rewards[t].tolist() == step["rewards"]
+            assert (rollout.terminated[t] | rollout.truncated[t]).tolist() == step["done"]
+            for i, final in step["final"].items():
+                np.testing.assert_array_equal(rollout.final_observation(t, i), final)
+        np.testing.assert_array_equal(rollout.last_obs, last_obs)
+        assert sum(len(s["final"]) for s in expected) > 5
+        with torch.no_grad():
+            logits = policy.linear(torch.as_tensor(rollout.obs[7]))
+        np.testing.assert_allclose(rollout.values[7], logits.sum(-1).numpy(), rtol=1e-6)
+        assert (rollout.versions == 0).all()
+
+
+def test_published_weights_reach_workers_and_versions_are_recorded():
+    policy = LinearPolicy(greedy=True)
+    with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        pool.deploy(policy)
+        assert pool.weights_nbytes == sum(p.numel() for p in policy.parameters()) * 4
+        first = pool.rollout(5)
+        assert (first.versions == 0).all()
+        with torch.no_grad():
+            policy.linear.weight.neg_()
+            policy.linear.bias.neg_()
+        assert pool.publish_weights(policy) == 1
+        second = pool.rollout(5)
+        assert (second.versions == 1).all()
+        with torch.no_grad():
+            np.testing.assert_array_equal(second.actions[0], policy.linear(torch.as_tensor(second.obs[0])).argmax(-1))
+        # Overlapped collection: weights published while a segment runs are used from the next step on.
+        pool.rollout_async(400)
+        pool.publish_weights(policy)
+        overlapped = pool.rollout_wait()
+        assert set(np.unique(overlapped.versions)) <= {1, 2}
+        assert overlapped.versions[-1].tolist() == [2, 2, 2, 2]
+        assert (np.diff(overlapped.versions, axis=0) >= 0).all()
+
+
+def test_sampling_rollouts_are_reproducible_with_a_seed():
+    def collect():
+        torch.manual_seed(3)
+        with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
+            pool.reset(seeds=[0, 1, 2, 3])
+            pool.deploy(LinearPolicy(greedy=False), seed=42)
+            rollout = pool.rollout(50)
+            return rollout.actions.copy(), rollout.log_probs.copy()
+
+    (a1, l1), (a2, l2) = collect(), collect()
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_array_equal(l1, l2)
+    assert 0 < a1.mean() < 1
+
+
+def test_rollout_errors_are_clear():
+    env_fns = [functools.partial(gym.make, "CartPole-v1"), lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=3)]
+    with EnvPool(env_fns, num_workers=2) as pool:
+        pool.reset()
+        with pytest.raises(ClusterEnvError, match="deploy"):
+            pool.rollout(3)
+        with pytest.raises(TypeError, match="act"):
+            pool.deploy(torch.nn.Linear(4, 2))
+        pool.deploy(LinearPolicy())
+        with pytest.raises(ValueError, match="n_steps"):
+            pool.rollout(0)
+        with pytest.raises(EnvError, match="env 1 on worker 1"):
+            pool.rollout(5)
+        pool.reset()  # still usable
+        pool.rollout_async(2)
+        with pytest.raises(ClusterEnvError, match="rollout is pending"):
+            pool.step(np.zeros(2, np.int64))
+        pool.rollout_wait()
