@@ -18,7 +18,7 @@ from gymnasium import spaces
 from clusterenv_cleanrl import ClusterVectorEnv
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from tests.compare import assert_same
-from tests.envs import make_dict_env
+from tests.envs import SpacesEnv, make_dict_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,6 +154,77 @@ def test_spaces_without_buffers(env_class, mode):
     assert counts["terminated"] > 10 and counts["truncated"] > 10, counts
 
 
+SPACE_PAIRS = {
+    "tuple obs": (spaces.Tuple((spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(3))), spaces.Discrete(2)),
+    "nested obs, dict actions": (
+        spaces.Dict(
+            {
+                "a": spaces.Tuple((spaces.MultiDiscrete([2, 3]), spaces.MultiBinary(2))),
+                "b": spaces.Box(0, 1, (2, 2), np.float64),
+            }
+        ),
+        spaces.Dict({"move": spaces.Box(-1, 1, (2,), np.float32), "pick": spaces.Discrete(3)}),
+    ),
+    "graph obs": (spaces.Graph(spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2)), spaces.MultiBinary(3)),
+    "text actions": (spaces.Box(-1, 1, (3,), np.float32), spaces.Text(4)),
+}
+
+
+# A final observation that fits the pool's buffers comes back from them as a plain dict in the
+# space's key order; SyncVectorEnv hands out the env's own object (an OrderedDict, other key orders).
+FINAL_OBS_IS_REBUILT = pytest.mark.xfail(
+    strict=True, reason="core: buffered final observations lose the env's dict type and key order"
+)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "pair",
+    [
+        # gymnasium 0.29's Dict.sample() returns OrderedDicts.
+        pytest.param(pair, marks=FINAL_OBS_IS_REBUILT if pair == "nested obs, dict actions" and not GYMNASIUM_1 else ())
+        for pair in SPACE_PAIRS
+    ],
+)
+def test_more_spaces(pair, mode):
+    observation_space, action_space = SPACE_PAIRS[pair]
+    env_fns = [functools.partial(SpacesEnv, observation_space, action_space)] * 3
+    cluster, sync = make_pair(env_fns, mode)
+    sync.action_space.seed(9)
+    with cluster:
+        disabled = GYMNASIUM_1 and mode == "Disabled"
+        assert_same_results(cluster.reset(seed=9), sync.reset(seed=9), "reset")
+        for step in range(40):
+            actions = sync.action_space.sample()
+            expected = sync.step(actions)
+            assert_same_results(cluster.step(actions), expected, f"step {step}")
+            if disabled and expected[2].any():
+                mask = expected[2].copy()
+                assert_same_results(
+                    cluster.reset(options={"reset_mask": mask}), sync.reset(options={"reset_mask": mask}), "reset"
+                )
+    sync.close()
+
+
+@FINAL_OBS_IS_REBUILT
+def test_final_observation_is_the_envs_own_dict():
+    mode = "SameStep" if GYMNASIUM_1 else None
+    cluster, sync = make_pair([make_dict_env] * 2, mode)
+    final_key = "final_obs" if GYMNASIUM_1 else "final_observation"
+    with cluster:
+        cluster.reset(seed=10)
+        sync.reset(seed=10)
+        expected = {}
+        while final_key not in expected:
+            actions = np.zeros((2, 2), np.float32)
+            *_, infos = cluster.step(actions)
+            *_, expected = sync.step(actions)
+        index = np.flatnonzero(expected[f"_{final_key}"])[0]
+        # DictObsEnv's keys are not in the space's (sorted) order.
+        assert list(infos[final_key][index]) == list(expected[final_key][index])
+    sync.close()
+
+
 @pytest.mark.parametrize("copy", [True, False])
 def test_copy_semantics(copy):
     """With copy=False both return observations the next step overwrites; with copy=True, neither does."""
@@ -274,7 +345,8 @@ def test_reset_mask_validation():
 
 @pytest.mark.skipif(not GYMNASIUM_1, reason="autoreset modes are gymnasium 1.x")
 def test_disabled_mode_refuses_to_step_an_ended_episode():
-    cluster = ClusterVectorEnv([functools.partial(gym.make, "CartPole-v1")] * 2, autoreset_mode="Disabled", num_workers=2)
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 2
+    cluster = ClusterVectorEnv(env_fns, autoreset_mode="Disabled", num_workers=2)
     with cluster:
         cluster.reset(seed=0)
         done = np.zeros(2, dtype=bool)
