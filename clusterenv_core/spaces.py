@@ -130,11 +130,15 @@ class SpaceLayout:
                 return isinstance(value, np.generic) and value.dtype == field.dtype
             return isinstance(value, np.ndarray) and value.dtype == field.dtype and value.shape == field.shape
         if node[0] == "dict":
-            return isinstance(value, dict) and all(
-                key in value and self._conforms(child, value[key]) for key, child in zip(node[1], node[2])
+            # A plain dict in the space's key order reads back identical; an OrderedDict or another
+            # key order would not.
+            return (
+                type(value) is dict
+                and list(value) == node[1]
+                and all(self._conforms(child, value[key]) for key, child in zip(node[1], node[2]))
             )
         return (
-            isinstance(value, tuple)
+            type(value) is tuple
             and len(value) == len(node[1])
             and all(self._conforms(child, item) for child, item in zip(node[1], value))
         )
