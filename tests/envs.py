@@ -111,17 +111,15 @@ class HangingEnv(gym.Wrapper):
         return self.env.step(action)
 
 
-class BusyCartPole(gym.Wrapper):
-    """CartPole whose step busy-waits ``busy_us`` microseconds (a stand-in for a costly simulator)."""
+class SlowCartPole(gym.Wrapper):
+    """CartPole whose step sleeps ``seconds`` first (a slow simulator that leaves the CPU idle)."""
 
-    def __init__(self, busy_us: float = 200.0) -> None:
+    def __init__(self, seconds: float) -> None:
         super().__init__(gym.make("CartPole-v1"))
-        self.busy_s = busy_us * 1e-6
+        self.seconds = seconds
 
     def step(self, action):
-        end = time.perf_counter() + self.busy_s
-        while time.perf_counter() < end:
-            pass
+        time.sleep(self.seconds)
         return self.env.step(action)
 
 

@@ -254,9 +254,9 @@ def _interrupt_soon(delay: float) -> None:
 
 
 def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
-    from tests.envs import BusyCartPole
+    from tests.envs import SlowCartPole
 
-    pool = EnvPool([functools.partial(BusyCartPole, busy_us=400_000)] * 2, num_workers=2)
+    pool = EnvPool([functools.partial(SlowCartPole, seconds=0.4)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
     _interrupt_soon(0.1)
     with pytest.raises(KeyboardInterrupt):
