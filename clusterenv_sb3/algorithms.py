@@ -1,0 +1,465 @@
+"""SB3's PPO and DQN with worker-side inference: the workers act, the learner only learns.
+
+``clusterenv_sb3.PPO`` and ``clusterenv_sb3.DQN`` are Stable-Baselines3's algorithms with their
+constructors unchanged (plus ``overlap_collection``), learning from rollout segments that the
+ClusterEnv workers collect with their own copy of the policy. The policy is deployed once, when
+learning starts; after every learner update (``train()``) the workers get the new weights, or, with
+:class:`~clusterenv_sb3.aaps_callback.AAPSCallback`, only when AAPS says the policy drifted enough
+(:class:`clusterenv_core.aaps.PolicySync` decides). Each segment fills SB3's own buffers as SB3's
+``collect_rollouts`` would, step by step: callbacks' ``on_step``, Monitor episode stats,
+``num_timesteps``, episode starts, terminal observations and bootstrapping on truncation.
+
+Design:
+
+- PPO stores the workers' log-probabilities (the behaviour policy's, which PPO's ratio needs) but
+  recomputes the values with the learner's current critic, in one batched pass per segment (with
+  AAPS or overlap the workers' critic may be stale). With ``always`` sync and no overlap both agree.
+- DQN sends its exploration rate to the workers as the rollout context (``epsilon``; 1.0 before
+  ``learning_starts``, where SB3 samples uniformly). One rate holds for a whole ``train_freq``
+  segment, where SB3 moves it after every step.
+- The env must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`: workers step the raw envs, so
+  VecEnv wrappers (``VecNormalize``, ``VecFrameStack``, ``VecTransposeImage``, ...) would never see
+  the data; they are refused instead of silently bypassed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+import stable_baselines3 as sb3
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import ReplayBuffer, RolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.type_aliases import RolloutReturn, TrainFreq, TrainFrequencyUnit
+from stable_baselines3.common.utils import obs_as_tensor
+from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
+
+from clusterenv_core.aaps import PolicySync
+from clusterenv_core.rollout import Rollout
+from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
+from clusterenv_sb3.policies import make_deployable
+
+DEFAULT_SYNC = {"mode": "always", "threshold": 0.01, "max_staleness": None, "probe_size": 256}
+
+
+def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
+    """``env`` if it is a bare :class:`ClusterVecEnv`; a clear error otherwise."""
+    if isinstance(env, ClusterVecEnv):
+        return env
+    if isinstance(env, VecEnvWrapper):
+        chain, inner = [], env
+        while isinstance(inner, VecEnvWrapper):
+            chain.append(type(inner).__name__)
+            inner = inner.venv
+        if isinstance(inner, ClusterVecEnv):
+            hint = ""
+            if "VecTransposeImage" in chain:
+                hint = (
+                    " (SB3 adds VecTransposeImage itself for channel-last image observations: make the envs "
+                    "channel-first, e.g. with a gymnasium observation wrapper inside the env factory)"
+                )
+            raise ValueError(
+                f"clusterenv_sb3.{algorithm} needs the ClusterVecEnv itself, got it wrapped in "
+                f"{' > '.join(chain)}{hint}. With worker-side inference the workers step the raw envs and act on "
+                "their raw observations, so VecEnv wrappers (VecNormalize, VecFrameStack, ...) would be bypassed. "
+                "Move the wrapping into the env factories (gymnasium wrappers), or use "
+                f"stable_baselines3.{algorithm} with the wrapped ClusterVecEnv (learner-side inference)."
+            )
+    raise TypeError(
+        f"clusterenv_sb3.{algorithm} runs the policy on ClusterEnv workers and needs a clusterenv_sb3.ClusterVecEnv "
+        f"as env, got {type(env).__name__}; use stable_baselines3.{algorithm} for other environments"
+    )
+
+
+def _index(obs: Any, key: Any) -> Any:
+    """``obs[key]`` for arrays and dicts of arrays."""
+    if isinstance(obs, dict):
+        return {name: value[key] for name, value in obs.items()}
+    return obs[key]
+
+
+def _copy(obs: Any) -> Any:
+    if isinstance(obs, dict):
+        return {name: np.array(value) for name, value in obs.items()}
+    return np.array(obs)
+
+
+def _flatten(obs: Any, leading: int) -> Any:
+    """Merge the first two axes (time, env) into one batch axis."""
+    if isinstance(obs, dict):
+        return {name: _flatten(value, leading) for name, value in obs.items()}
+    return obs.reshape(leading, *obs.shape[2:])
+
+
+def _stack(observations: list) -> Any:
+    if isinstance(observations[0], dict):
+        return {name: np.stack([np.asarray(obs[name]) for obs in observations]) for name in observations[0]}
+    return np.stack([np.asarray(obs) for obs in observations])
+
+
+class _Segment:
+    """One rollout read as SB3's VecEnv would have returned it, step by step."""
+
+    def __init__(self, rollout: Rollout, env: ClusterVecEnv) -> None:
+        self.rollout = rollout
+        self.env = env
+        self.dones = rollout.terminated | rollout.truncated
+        # Truncated and not terminated: what ClusterVecEnv reports as TimeLimit.truncated.
+        self.timeouts = rollout.truncated & ~rollout.terminated
+
+    def step(self, t: int) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """``rewards`` (float32, as DummyVecEnv), ``dones`` and ``infos`` of step ``t``, built as
+        :meth:`ClusterVecEnv.step_wait` builds them (and its ``reset_infos`` updated likewise)."""
+        rollout, env = self.rollout, self.env
+        dones = self.dones[t].copy()
+        infos = []
+        for index in range(env.num_envs):
+            info = dict(rollout.infos[t].get(index, {}))
+            info["TimeLimit.truncated"] = bool(self.timeouts[t, index])
+            if dones[index]:
+                info["terminal_observation"] = _copy(rollout.final_observation(t, index))
+                env.reset_infos[index] = rollout.reset_infos[t].get(index, {})
+            infos.append(info)
+        return rollout.rewards[t].astype(np.float32), dones, infos
+
+    def next_obs(self, t: int) -> Any:
+        """The observation after step ``t`` (a copy)."""
+        if t + 1 < self.rollout.n_steps:
+            return _copy(_index(self.rollout.obs, t + 1))
+        return _copy(self.rollout.last_obs)
+
+
+class WorkerInferenceMixin:
+    """What PPO and DQN share: the env check, deployment, segments, overlap and the sync after updates."""
+
+    env: VecEnv | None
+    _policy_sync: PolicySync | None = None
+
+    def _init_worker_inference(self, overlap_collection: bool) -> None:
+        self.overlap_collection = bool(overlap_collection)
+        self._sync_config = dict(DEFAULT_SYNC)
+        self._policy_sync = None
+        self._deployed_pool = None
+        self._started: tuple[int, dict] | None = None  # (n_steps, context) of a segment being collected
+        self._probe_tails: deque = deque()
+        if getattr(self, "use_sde", False):
+            raise ValueError(
+                "gSDE (use_sde=True) is not supported with worker-side inference: its exploration matrix is "
+                f"sampled per env on the learner; use use_sde=False or stable_baselines3.{type(self).__name__}"
+            )
+        if self.env is not None:
+            check_cluster_vec_env(self.env, self._algorithm_name())
+
+    @classmethod
+    def _algorithm_name(cls) -> str:
+        for base in cls.__mro__:
+            if base.__module__.startswith("stable_baselines3"):
+                return base.__name__
+        return cls.__name__
+
+    @property
+    def policy_sync(self) -> PolicySync | None:
+        """The :class:`~clusterenv_core.aaps.PolicySync` that decides when the workers get new weights
+        (``None`` until learning starts): its ``stats`` and ``summary()`` count syncs and policy lag."""
+        return self._policy_sync
+
+    def configure_sync(
+        self, mode: str = "always", threshold: float = 0.01, max_staleness: int | None = None, probe_size: int = 256
+    ) -> None:
+        """Set how the workers' weights follow the learner for the current ``learn()`` call
+        (:class:`~clusterenv_sb3.AAPSCallback` calls this; each ``learn()`` starts from ``always``)."""
+        self._sync_config = {"mode": mode, "threshold": threshold, "max_staleness": max_staleness, "probe_size": probe_size}
+        if self._policy_sync is not None:
+            self._apply_sync_config()
+
+    def _apply_sync_config(self) -> None:
+        """A PolicySync with the current config that keeps the deployed snapshot and the counters."""
+        old = self._policy_sync
+        new = PolicySync(old.pool, old.policy, **self._sync_config)
+        new.deployed, new.stats, new.probe_obs = old.deployed, old.stats, old.probe_obs
+        self._policy_sync = new
+
+    def set_env(self, env: Any, force_reset: bool = True) -> None:
+        self._drain_started()
+        super().set_env(env, force_reset)
+        check_cluster_vec_env(self.env, self._algorithm_name())
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started", "_probe_tails"]
+
+    def _setup_learn(self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> tuple[int, BaseCallback]:
+        check_cluster_vec_env(self.env, self._algorithm_name())
+        self._drain_started()
+        self._sync_config = dict(DEFAULT_SYNC)  # an AAPSCallback among the callbacks reconfigures it
+        result = super()._setup_learn(total_timesteps, callback, *args, **kwargs)
+        self._ensure_deployed()
+        return result
+
+    def _ensure_deployed(self) -> None:
+        """Deploy the policy on the env's pool once; later learn() calls keep the workers' weights."""
+        pool = self.env.pool
+        sync = self._policy_sync
+        acting = self._acting_policy()
+        if sync is None or self._deployed_pool is not pool or sync.policy.acting_module() is not acting:
+            learner = make_deployable(acting)
+            pool.deploy(learner.deployable_copy(), seed=self.seed)
+            self._deployed_pool = pool
+            self._probe_tails.clear()
+            self._policy_sync = PolicySync(pool, learner, **self._sync_config)
+        else:
+            self._apply_sync_config()
+
+    def _acting_policy(self) -> th.nn.Module:
+        return self.policy
+
+    def learn(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().learn(*args, **kwargs)
+        finally:
+            self._drain_started()
+
+    def train(self, *args: Any, **kwargs: Any) -> None:
+        """SB3's update, then the sync decision (push the new weights, or not)."""
+        super().train(*args, **kwargs)
+        if self._policy_sync is not None:
+            self._policy_sync.after_update()
+
+    # -- segments ---------------------------------------------------------------------------------
+
+    def _segment_request(self) -> tuple[int, dict]:
+        """(n_steps, context) of the next segment."""
+        raise NotImplementedError
+
+    def _rollout(self, env: VecEnv) -> Rollout:
+        """The next segment: the one started ahead (overlap), or one collected now."""
+        env = check_cluster_vec_env(env, self._algorithm_name())
+        if self._deployed_pool is not env.pool:
+            raise RuntimeError("the policy is not deployed on this env's workers: learn() deploys it")
+        pool = env.pool
+        n_steps, context = self._segment_request()
+        if self._started is None:
+            pool.rollout_async(n_steps, context)
+        elif self._started[0] != n_steps:
+            raise RuntimeError(f"a segment of {self._started[0]} steps was started ahead, {n_steps} are needed")
+        self._started = None
+        # A segment takes n_steps steps; the pool's timeout bounds each one.
+        rollout = pool.rollout_wait(timeout=pool.timeout * n_steps)
+        sync = self._policy_sync
+        sync.record_rollout(rollout.versions)
+        if sync.mode == "aaps":
+            self._observe_probe(rollout.obs, sync)
+        return rollout
+
+    def _observe_probe(self, obs: Any, sync: PolicySync) -> None:
+        """Probe states for AAPS: the last ``probe_size`` states (or more) of recent segments."""
+        rows_needed = max(1, math.ceil(sync.probe_size / self.n_envs))
+        n_steps = (next(iter(obs.values())) if isinstance(obs, dict) else obs).shape[0]
+        self._probe_tails.append(_copy(_index(obs, slice(max(0, n_steps - rows_needed), n_steps))))
+        rows = lambda tail: (next(iter(tail.values())) if isinstance(tail, dict) else tail).shape[0]  # noqa: E731
+        while len(self._probe_tails) > 1 and sum(map(rows, self._probe_tails)) - rows(self._probe_tails[0]) >= rows_needed:
+            self._probe_tails.popleft()
+        tails = list(self._probe_tails)
+        if isinstance(tails[0], dict):
+            probe = {name: np.concatenate([tail[name] for tail in tails]) for name in tails[0]}
+        else:
+            probe = np.concatenate(tails)
+        sync.observe(probe, leading_dims=2)
+
+    def _start_next_segment(self) -> None:
+        """With ``overlap_collection``, start the next segment now, so it is collected while training."""
+        if self.overlap_collection and self.num_timesteps < self._total_timesteps and self._started is None:
+            n_steps, context = self._segment_request()
+            self.env.pool.rollout_async(n_steps, context)
+            self._started = (n_steps, context)
+
+    def _drain_started(self) -> None:
+        """Finish a segment started ahead and never used (learning stopped early or failed); its steps
+        are dropped, but the observations continue from where the envs are."""
+        if self._started is None:
+            return
+        self._started = None
+        try:
+            rollout = self.env.pool.rollout_wait()
+        except Exception:  # the pool reports its failure at its next use
+            return
+        self._last_obs = _copy(rollout.last_obs)
+        self._last_episode_starts = (rollout.terminated[-1] | rollout.truncated[-1]).copy()
+
+
+class PPO(WorkerInferenceMixin, sb3.PPO):
+    """Stable-Baselines3's PPO with worker-side inference (same constructor as ``stable_baselines3.PPO``).
+
+    :param overlap_collection: collect the next segment while training on the current one (the
+        workers then act with weights up to one update old; PPO's ratio uses their log-probs)
+
+    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
+    """
+
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_worker_inference(overlap_collection)
+
+    def _segment_request(self) -> tuple[int, dict]:
+        return self.n_steps, {}
+
+    def collect_rollouts(
+        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
+    ) -> bool:
+        """Fill ``rollout_buffer`` from one worker-collected segment as SB3's ``collect_rollouts`` would."""
+        assert self._last_obs is not None, "No previous observation was provided"
+        if n_rollout_steps != self.n_steps:
+            raise ValueError(f"segments have n_steps={self.n_steps} steps, {n_rollout_steps} were asked for")
+        self.policy.set_training_mode(False)
+        n_steps = 0
+        rollout_buffer.reset()
+        callback.on_rollout_start()
+
+        rollout = self._rollout(env)
+        segment = _Segment(rollout, env)
+        num_envs = env.num_envs
+        with th.no_grad():
+            # The learner's critic on every state of the segment, in one pass.
+            all_values = self.policy.predict_values(
+                obs_as_tensor(_flatten(rollout.obs, n_rollout_steps * num_envs), self.device)
+            ).reshape(n_rollout_steps, num_envs, 1)
+            # Bootstrapping on truncation: gamma * V(terminal observation), one pass for the segment.
+            bootstrap = np.zeros((n_rollout_steps, num_envs), np.float32)
+            steps, envs = np.nonzero(segment.timeouts)
+            if len(steps):
+                terminal_obs = _stack([rollout.final_observation(t, i) for t, i in zip(steps, envs)])
+                terminal_values = self.policy.predict_values(obs_as_tensor(terminal_obs, self.device)).flatten()
+                bootstrap[steps, envs] = (self.gamma * terminal_values).cpu().numpy()
+        all_log_probs = th.as_tensor(rollout.log_probs, device=self.device)
+
+        for t in range(n_rollout_steps):
+            obs = _index(rollout.obs, t)
+            actions = np.array(rollout.actions[t])
+            values = all_values[t]
+            log_probs = all_log_probs[t]
+            clipped_actions = actions
+            if isinstance(self.action_space, spaces.Box):
+                if self.policy.squash_output:
+                    clipped_actions = self.policy.unscale_action(clipped_actions)
+                else:
+                    clipped_actions = np.clip(actions, self.action_space.low, self.action_space.high)
+            rewards, dones, infos = segment.step(t)
+            new_obs = segment.next_obs(t)
+
+            self.num_timesteps += env.num_envs
+
+            # Give access to local variables
+            callback.update_locals(locals())
+            if not callback.on_step():
+                self._last_obs = _copy(rollout.last_obs)
+                self._last_episode_starts = segment.dones[-1].copy()
+                return False
+
+            self._update_info_buffer(infos, dones)
+            n_steps += 1
+
+            if isinstance(self.action_space, spaces.Discrete):
+                actions = actions.reshape(-1, 1)
+
+            # Handle timeout by bootstrapping with the value function (values computed above)
+            truncated = segment.timeouts[t]
+            rewards[truncated] += bootstrap[t, truncated]
+            rollout_buffer.add(obs, actions, rewards, self._last_episode_starts, values, log_probs)
+            self._last_obs = new_obs
+            self._last_episode_starts = dones
+
+        with th.no_grad():
+            values = self.policy.predict_values(obs_as_tensor(_copy(rollout.last_obs), self.device))
+
+        rollout_buffer.compute_returns_and_advantage(last_values=values, dones=dones)
+
+        callback.update_locals(locals())
+        callback.on_rollout_end()
+        self._start_next_segment()
+        return True
+
+
+class DQN(WorkerInferenceMixin, sb3.DQN):
+    """Stable-Baselines3's DQN with worker-side inference (same constructor as ``stable_baselines3.DQN``).
+
+    :param overlap_collection: collect the next ``train_freq`` segment while training
+
+    Workers act epsilon-greedily with the exploration rate of the segment's start (one random draw
+    per env and step); ``train_freq`` must count steps (episodes: ``NotImplementedError``).
+    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`.
+    """
+
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_worker_inference(overlap_collection)
+
+    def _acting_policy(self) -> th.nn.Module:
+        return self.policy.q_net
+
+    def _segment_request(self) -> tuple[int, dict]:
+        train_freq = self.train_freq
+        if not isinstance(train_freq, TrainFreq) or train_freq.unit != TrainFrequencyUnit.STEP:
+            raise NotImplementedError(
+                "clusterenv_sb3.DQN collects fixed-length segments: train_freq must count steps, "
+                f"got {train_freq}; use stable_baselines3.DQN for train_freq in episodes"
+            )
+        if self.num_timesteps < self.learning_starts:
+            epsilon = 1.0  # SB3 samples uniformly before learning starts
+        else:
+            epsilon = float(self.exploration_schedule(self._current_progress_remaining))
+        return int(train_freq.frequency), {"epsilon": epsilon}
+
+    def collect_rollouts(
+        self,
+        env: VecEnv,
+        callback: BaseCallback,
+        train_freq: TrainFreq,
+        replay_buffer: ReplayBuffer,
+        action_noise: Any = None,
+        learning_starts: int = 0,
+        log_interval: int | None = None,
+    ) -> RolloutReturn:
+        """Store one worker-collected segment in ``replay_buffer`` as SB3's ``collect_rollouts`` would."""
+        self.policy.set_training_mode(False)
+        num_collected_steps, num_collected_episodes = 0, 0
+        if train_freq.unit != TrainFrequencyUnit.STEP or train_freq != self.train_freq:
+            raise NotImplementedError(f"segments follow the model's train_freq in steps ({self.train_freq}), got {train_freq}")
+        callback.on_rollout_start()
+
+        rollout = self._rollout(env)
+        segment = _Segment(rollout, env)
+        self._last_obs = _copy(_index(rollout.obs, 0))
+        for t in range(rollout.n_steps):
+            actions = np.array(rollout.actions[t])
+            buffer_actions = actions
+            new_obs = segment.next_obs(t)
+            rewards, dones, infos = segment.step(t)
+
+            self.num_timesteps += env.num_envs
+            num_collected_steps += 1
+
+            # Give access to local variables
+            callback.update_locals(locals())
+            if not callback.on_step():
+                self._last_obs = _copy(rollout.last_obs)
+                return RolloutReturn(num_collected_steps * env.num_envs, num_collected_episodes, continue_training=False)
+
+            self._update_info_buffer(infos, dones)
+            # Stores the transition from self._last_obs and moves self._last_obs to new_obs.
+            self._store_transition(replay_buffer, buffer_actions, new_obs, rewards, dones, infos)
+            self._update_current_progress_remaining(self.num_timesteps, self._total_timesteps)
+            # Target network updates and the exploration schedule, per env step as in SB3.
+            self._on_step()
+
+            for done in dones:
+                if done:
+                    num_collected_episodes += 1
+                    self._episode_num += 1
+                    if log_interval is not None and self._episode_num % log_interval == 0:
+                        self.dump_logs()
+        callback.on_rollout_end()
+        self._start_next_segment()
+        return RolloutReturn(num_collected_steps * env.num_envs, num_collected_episodes, continue_training=True)
