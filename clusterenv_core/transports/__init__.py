@@ -14,6 +14,7 @@ from clusterenv_core.transports.base import Transport, WorkerConnection
 
 _BACKENDS = {
     "local": ("clusterenv_core.transports.local", "LocalTransport"),
+    "mpi": ("clusterenv_core.transports.mpi", "MPITransport"),
 }
 
 BACKENDS = tuple(_BACKENDS)

@@ -1,0 +1,974 @@
+"""The MPI backend: workers are MPI ranks, reached with mpi4py buffer messages.
+
+``backend="mpi"`` needs ``mpi4py`` (tested with MPICH 5 from the ``mpich`` wheel). Only this module
+imports it, and only when a pool or a worker uses it; importing mpi4py initializes MPI.
+
+Launch modes
+------------
+The mode is chosen when the pool starts (``launch="auto"``, the default):
+
+- **spawn** -- ``COMM_WORLD`` has one rank (plain ``python train.py``): the learner spawns
+  ``num_workers`` ranks with ``MPI.COMM_SELF.Spawn(sys.executable, ["-m", "clusterenv_core.worker",
+  "mpi", "spawn"])`` and talks to them over the intercommunicator. Every pool spawns its own ranks.
+  With MPICH the first spawn starts MPICH's process manager (``mpiexec``, "singleton init"); the
+  backend finds it next to the interpreter or on ``PATH`` and starts it in a session of its own
+  (``isolate=True``) so that a worker rank that dies cannot take the learner down with it.
+- **world** -- ``COMM_WORLD`` has more than one rank: rank 0 is the learner and every other rank is
+  a worker (worker ``w`` is rank ``w + 1``; ``num_workers`` must equal ``size - 1``). A worker rank
+  gets there in one of two ways, and both may be mixed in one job:
+
+  - MPMD: ``mpiexec -n 1 python train.py : -n W python -m clusterenv_core.worker mpi`` -- the ranks
+    run the worker program, which waits for rank 0 to send them their env factories.
+  - SPMD: ``mpiexec -n W+1 python train.py`` -- every rank runs the script; on a rank above 0,
+    constructing the env (``EnvPool``/``ClusterVecEnv``) turns the process into a worker that serves
+    rank 0 until it closes the pool, then finalizes MPI and exits with code 0 without running the
+    rest of the script (``os._exit``: no ``finally`` blocks or ``atexit`` handlers of the script run
+    there).
+
+  So the learner never needs to know which: rank 0 is the learner, other ranks are workers whether
+  they run the worker program or the script. ``launch="spawn"`` forces spawning from every rank
+  that creates a pool (e.g. several learners in one job); ``launch="world"`` insists on a world.
+  One pool per world job: its worker ranks exit when it closes.
+
+Hot path
+--------
+Each side keeps its batch buffers in one private block. A step is two messages per worker, built
+from derived datatypes (``hindexed`` over bytes) created once at ``attach``: the learner sends the
+worker's action rows of every action field in one message (the step request itself), and the worker
+answers with one message holding a 16-byte header and its result rows of every result field; the
+learner posts that receive before sending, so the rows land directly in its buffers. Final
+observations ride along only when an env of the block finished. Nothing on the hot path is pickled;
+a step whose reply is not ``("ok", None)`` (non-empty infos, errors) sends the pickled reply in a
+third message, whose size the header announces. Control messages are pickled.
+
+Waiting
+-------
+No MPI call blocks: waits poll ``Test``/``Improbe`` with a deadline -- first a spin of ``spin``
+seconds (learner) or ``worker_spin`` (workers), then sleeps that double from 20 us up to
+``max_sleep``/``worker_max_sleep``. An idle worker (the learner trains) therefore costs a few
+wake-ups per millisecond, not a core. Every ``liveness_interval`` a wait checks that the peer still
+exists: the learner checks worker pids on its own host and, in spawn mode, MPICH's process manager;
+a worker checks the learner's pid when they share a host.
+
+Faults (MPICH 5)
+----------------
+- An env raising on a worker rank: :class:`~clusterenv_core.errors.EnvError` with the remote
+  traceback; the pool stays usable and closeable, as with the local backend.
+- A worker rank dying, spawn mode: MPICH's process manager kills the other ranks of that spawn
+  and exits (and by default would SIGKILL the learner's whole process group: ``isolate=True``
+  prevents that). The learner gets :class:`~clusterenv_core.errors.WorkerLostError` within
+  ``liveness_interval`` (0.25 s). The process cannot spawn MPI workers again, and skips
+  ``MPI_Finalize`` at exit (which would crash with the process manager gone).
+- A worker rank dying, world mode (mpiexec or srun): the launcher ends the whole job at once,
+  learner included (hydra SIGKILLs every rank; ``-disable-auto-cleanup`` only adds a SIGUSR1
+  first). There is no :class:`~clusterenv_core.errors.WorkerLostError` to catch: checkpoint.
+- A hanging env: :class:`~clusterenv_core.errors.WorkerTimeoutError` after the pool's ``timeout``.
+  At ``close`` a stuck spawned rank on the learner's host is killed; a stuck world rank cannot be
+  killed without ending the job, so the learner calls ``MPI_Abort`` at exit instead of hanging in
+  ``MPI_Finalize``.
+- The learner dying: its spawned ranks are killed by the process manager when its connection to
+  the learner drops; world ranks are killed by the launcher. Worker ranks on the learner's host also
+  exit by themselves when its pid disappears. A learner that raises closes its pools at exit.
+
+Exit
+----
+``close()`` ends every worker: spawned ranks finalize and exit at once; world ranks finalize and
+then wait, idle, inside ``MPI_Finalize`` until the learner finalizes (MPICH's ``MPI_Finalize``
+synchronizes the whole job), then exit with code 0. In spawn mode, when this module is the first
+to import mpi4py, it finalizes MPI itself at exit (``mpi4py.rc.finalize = False``) so that it can
+skip finalization after a worker loss.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import os
+import pickle
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
+from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.protocol import STEP, dumps
+from clusterenv_core.transports.base import Transport, WorkerConnection
+
+# Message tags; the range keeps clear of small tags a user's own messages would use.
+_TAG_CONTROL = 7101  # learner -> worker: a pickled control message
+_TAG_STEP = 7102  # learner -> worker: the block's action rows; this is the step request
+_TAG_REPLY = 7103  # worker -> learner: the pickled reply to a control message
+_TAG_RESULT = 7104  # worker -> learner: header and result rows of a step
+_TAG_PAYLOAD = 7105  # worker -> learner: the pickled step reply, when it is not ("ok", None)
+_TAG_ARRAYS = 7106  # either way: the arrays of a region (policy weights, rollout segments)
+_TAG_HELLO = 7107  # worker -> learner, once: pid and host
+_TAG_CONFIG = 7108  # learner -> worker, once: its index, the learner's pid and host, polling
+
+_HEADER = 16  # bytes: int64 length of the pickled reply that follows (0: "ok", None), int64 spare
+_ALIGN = 64
+_OK_NONE = ("ok", None)
+# Control operations that write the worker's result rows (observations): their reply is followed by
+# the rows, as a step's is. The local backend needs no such thing: its buffers are shared.
+_ROW_OPS = frozenset({"reset", "rollout"})
+_MIN_NAP = 20e-6
+_ARRAYS_TIMEOUT = 60.0
+# Environment variables set by process managers for the processes they launch.
+_PM_VARIABLES = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+CONNECT_TIMEOUT_VARIABLE = "CLUSTERENV_MPI_CONNECT_TIMEOUT"
+_DEFAULT_CONNECT_TIMEOUT = 600.0
+
+_HOST = socket.gethostname()
+
+
+class _State:
+    """Process-wide MPI state of this module."""
+
+    MPI: Any = None
+    owns_finalize = False  # we set mpi4py.rc.finalize = False and finalize at exit ourselves
+    world_used = False  # the world's worker ranks served a pool (they exit when it closes)
+    pm_started = False  # MPICH's singleton process manager was started by our first spawn
+    pm_pid: int | None = None
+    pm_exited = False
+    finalize_unsafe = False  # MPI_Finalize would crash (process manager gone)
+    abort_at_exit = False  # a world rank could not be closed: MPI_Finalize would wait for it forever
+    live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _mpi(worker: bool = False) -> Any:
+    """mpi4py's MPI module, imported (MPI initialized) on first use with this module's settings."""
+    if _State.MPI is not None:
+        return _State.MPI
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        if worker:
+            # Worker ranks are ours and single-threaded.
+            mpi4py.rc.thread_level = "serialized"
+        elif not _launched_by_process_manager():
+            # A singleton that may spawn: finalize ourselves, so a lost worker can skip it.
+            mpi4py.rc.finalize = False
+            _State.owns_finalize = True
+    from mpi4py import MPI
+
+    _State.MPI = MPI
+    if not worker:
+        atexit.register(_at_exit)
+    return MPI
+
+
+def _launched_by_process_manager() -> bool:
+    return any(name in os.environ for name in _PM_VARIABLES)
+
+
+def _at_exit() -> None:
+    """Close the pools still open, then finalize MPI when that is safe (learner side)."""
+    for transport in list(_State.live):
+        try:
+            transport._close_at_exit()
+        except Exception:
+            pass
+    MPI = _State.MPI
+    if MPI is None or MPI.Is_finalized():
+        return
+    if _State.abort_at_exit:
+        _flush()
+        print(
+            "clusterenv: a worker rank could not be closed; aborting the MPI job instead of waiting for it "
+            "forever in MPI_Finalize",
+            file=sys.stderr,
+            flush=True,
+        )
+        MPI.COMM_WORLD.Abort(1)
+    if _State.finalize_unsafe or _pm_exited():
+        if not _State.owns_finalize:
+            # mpi4py would call MPI_Finalize after us and crash: end the process here instead.
+            _flush()
+            print(
+                "clusterenv: MPI's process manager ended after a lost worker; exiting without MPI_Finalize",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+        return
+    if _State.owns_finalize:
+        MPI.Finalize()
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+def _pm_exited() -> bool:
+    """Whether the singleton process manager our first spawn started has ended (reaping it)."""
+    if _State.pm_exited or _State.pm_pid is None:
+        return _State.pm_exited
+    try:
+        pid, _ = os.waitpid(_State.pm_pid, os.WNOHANG)
+        exited = pid != 0
+    except ChildProcessError:
+        exited = not _pid_alive(_State.pm_pid)
+    if exited:
+        _State.pm_exited = True
+        _State.finalize_unsafe = True
+    return exited
+
+
+def _address(buffer: Any) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+
+
+def _row_bytes(array: np.ndarray) -> int:
+    return array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+
+
+def _block_type(MPI: Any, blocks: list[tuple[int, int]]) -> Any:
+    """A committed datatype of the ``(displacement, length)`` byte ranges, in order."""
+    blocks = [(offset, length) for offset, length in blocks if length > 0]
+    datatype = MPI.BYTE.Create_hindexed([length for _, length in blocks], [offset for offset, _ in blocks])
+    return datatype.Commit()
+
+
+def _result_arrays(buffers: BatchBuffers) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The arrays a step returns, in message order: always sent, and sent when an episode ended."""
+    return [*buffers.obs, buffers.rewards, buffers.terminated, buffers.truncated], list(buffers.final_obs)
+
+
+def _poll(ready, timeout: float, spin: float, max_sleep: float, check=None, interval: float = 0.25) -> bool:
+    """Call ``ready()`` until it is true (then True) or ``timeout`` passes (then False): spin for
+    ``spin`` seconds, then sleep with doubling naps up to ``max_sleep``; ``check()`` runs every
+    ``interval`` seconds and may raise."""
+    now = time.perf_counter()
+    deadline, spin_end, next_check = now + timeout, now + spin, now + interval
+    nap = _MIN_NAP
+    while True:
+        if ready():
+            return True
+        now = time.perf_counter()
+        if now >= deadline:
+            return False
+        if check is not None and now >= next_check:
+            check()
+            next_check = now + interval
+        if now >= spin_end:
+            time.sleep(nap)
+            if nap < max_sleep:
+                nap = min(nap * 2.0, max_sleep)
+
+
+class _Probe:
+    """A matched probe for one source and tag, usable as ``ready()`` of :func:`_poll`."""
+
+    __slots__ = ("comm", "source", "tag", "status", "message")
+
+    def __init__(self, MPI: Any, comm: Any, source: int, tag: int) -> None:
+        self.comm, self.source, self.tag = comm, source, tag
+        self.status = MPI.Status()
+        self.message = None
+
+    def __call__(self) -> bool:
+        self.message = self.comm.Improbe(self.source, self.tag, self.status)
+        return self.message is not None
+
+
+# -- learner side -----------------------------------------------------------------------------------
+
+
+def _find_mpiexec() -> str | None:
+    """MPICH's mpiexec for singleton init: the one next to this interpreter (the mpich wheel), else PATH's."""
+    beside = os.path.join(sys.prefix, "bin", "mpiexec")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+@contextlib.contextmanager
+def _process_manager(mpiexec: str | None, isolate: bool):
+    """Around the first spawn of a singleton MPICH process: make MPICH find its ``mpiexec`` through a
+    shim that records the process manager's pid and (``isolate``) starts it in a new session.
+
+    MPICH starts ``mpiexec`` from ``PATH`` when a singleton first spawns. When a spawned rank dies,
+    that process manager kills its process group; in the learner's group that is the learner itself
+    and the shell that started it. In a session of its own it only takes its own ranks down.
+    """
+    MPI = _State.MPI
+    if _State.pm_started or MPI.get_vendor()[0] != "MPICH" or _launched_by_process_manager():
+        yield
+        return
+    real = mpiexec or _find_mpiexec()
+    if real is None:
+        raise ClusterEnvError(
+            "backend='mpi' spawns its workers through MPICH's mpiexec, which was found neither next to "
+            f"{sys.executable} nor on PATH: install the mpich wheel (pip install mpich), put mpiexec on PATH, "
+            "pass mpiexec=<path>, or launch the job with mpiexec"
+        )
+    directory = tempfile.mkdtemp(prefix="clusterenv-mpiexec-")
+    pid_file = os.path.join(directory, "pid")
+    starter = "import os, sys\n" + ("try:\n    os.setsid()\nexcept OSError:\n    pass\n" if isolate else "")
+    starter += "os.execv(sys.argv[1], sys.argv[1:])\n"
+    shim = os.path.join(directory, "mpiexec")
+    with open(shim, "w") as file:
+        file.write(
+            "#!/bin/sh\n"
+            f"echo $$ > {shlex.quote(pid_file)}\n"
+            f"exec {shlex.quote(sys.executable)} -S -c {shlex.quote(starter)} {shlex.quote(real)} \"$@\"\n"
+        )
+    os.chmod(shim, 0o755)
+    saved = {name: os.environ.get(name) for name in ("PATH", "PYTHONPATH")}
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PATH"] = os.pathsep.join(filter(None, [directory, saved["PATH"]]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, saved["PYTHONPATH"]]))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        try:
+            with open(pid_file) as file:
+                _State.pm_pid = int(file.read().strip())
+            _State.pm_started = True
+        except (OSError, ValueError):
+            pass
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class MPITransport(Transport):
+    """Learner side of the MPI backend (see the module documentation for launch modes).
+
+    :param launch: ``"auto"`` (spawn when ``COMM_WORLD`` has one rank, else world), ``"spawn"`` or ``"world"``
+    :param python: interpreter of spawned workers (default: this one)
+    :param spawn_info: MPI info keys for ``Spawn`` (e.g. ``{"hosts": "node1,node2"}``)
+    :param mpiexec: MPICH's ``mpiexec`` for the first spawn of a singleton (default: found)
+    :param isolate: start that process manager in its own session, so a dying worker cannot kill the learner
+    :param spin: seconds the learner polls a reply without sleeping
+    :param max_sleep: longest nap of the learner while it polls
+    :param worker_spin: seconds a worker polls for the next message without sleeping
+    :param worker_max_sleep: longest nap of an idle worker
+    :param liveness_interval: seconds between checks that a silent peer still exists
+    """
+
+    shares_memory = False
+
+    def __init__(
+        self,
+        launch: str = "auto",
+        python: str | None = None,
+        spawn_info: dict[str, str] | None = None,
+        mpiexec: str | None = None,
+        isolate: bool = True,
+        spin: float = 50e-6,
+        max_sleep: float = 200e-6,
+        worker_spin: float = 2e-3,
+        worker_max_sleep: float = 1e-3,
+        liveness_interval: float = 0.25,
+    ) -> None:
+        if launch not in ("auto", "spawn", "world"):
+            raise ValueError(f"launch must be 'auto', 'spawn' or 'world', got {launch!r}")
+        for name, value in (
+            ("spin", spin),
+            ("max_sleep", max_sleep),
+            ("worker_spin", worker_spin),
+            ("worker_max_sleep", worker_max_sleep),
+            ("liveness_interval", liveness_interval),
+        ):
+            if not isinstance(value, (int, float)) or value < 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        self.launch = launch
+        self.python = python or sys.executable
+        self.spawn_info = dict(spawn_info or {})
+        self.mpiexec = mpiexec
+        self.isolate = bool(isolate)
+        self.spin, self.max_sleep = float(spin), max(float(max_sleep), _MIN_NAP)
+        self.worker_spin, self.worker_max_sleep = float(worker_spin), max(float(worker_max_sleep), _MIN_NAP)
+        self.liveness_interval = max(float(liveness_interval), 0.01)
+        self.failed: set[int] = set()
+        self.mode: str | None = None
+        self.comm: Any = None
+        self.ranks: list[int] = []
+        self.pids: list[int] = []
+        self.hosts: list[str] = []
+        self._closed = False
+        self._awaiting: set[int] = set()  # workers whose reply to a control message is unread
+        self._closing: set[int] = set()  # workers sent "close"
+        self._closed_ok: set[int] = set()  # workers that answered "close"
+        self._last_op: list[str] = []  # per worker: the last control operation sent
+        self._sends: list[list] = []  # per worker: (request, buffer) of sends not known complete
+        self._result_requests: list = []
+        self._action_requests: list = []
+        self._result_messages: list = []
+        self._action_messages: list = []
+        self._datatypes: list = []
+        self._memory: bytearray | None = None
+        self._headers: np.ndarray | None = None
+        self._regions: list[bytearray] = []
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.ranks)
+
+    def default_num_workers(self) -> int | None:
+        """The number of worker ranks a world launch provides (``None`` in spawn mode)."""
+        MPI = _mpi()
+        size = MPI.COMM_WORLD.Get_size()
+        if self.launch == "spawn" or (self.launch == "auto" and size == 1):
+            return None
+        return size - 1
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def start(self, num_workers: int, timeout: float) -> None:
+        MPI = _mpi()
+        world = MPI.COMM_WORLD
+        mode = self.launch
+        if mode == "auto":
+            mode = "spawn" if world.Get_size() == 1 else "world"
+        if mode == "world":
+            if world.Get_size() == 1:
+                raise ValueError(
+                    "launch='world' needs worker ranks: run under mpiexec with more than one rank "
+                    "(e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker mpi)"
+                )
+            if world.Get_rank() != 0:
+                _serve_as_worker()  # SPMD: this rank becomes a worker and never returns
+            self._start_world(num_workers, timeout)
+        else:
+            self._start_spawn(num_workers, timeout)
+        _State.live.add(self)
+
+    def _start_spawn(self, num_workers: int, timeout: float) -> None:
+        MPI = _State.MPI
+        if _pm_exited():
+            raise ClusterEnvError(
+                "MPI's process manager of this process ended after an earlier worker loss; "
+                "this process cannot spawn MPI workers anymore (start a new process)"
+            )
+        info = MPI.Info.Create()
+        try:
+            info.Set("wdir", os.getcwd())
+            for key, value in self.spawn_info.items():
+                info.Set(str(key), str(value))
+            args = ["-m", "clusterenv_core.worker", "mpi", "spawn"]
+            with _process_manager(self.mpiexec, self.isolate):
+                self.comm = MPI.COMM_SELF.Spawn(self.python, args, maxprocs=num_workers, info=info)
+        finally:
+            info.Free()
+        self.mode = "spawn"
+        self._handshake(list(range(num_workers)), timeout)
+
+    def _start_world(self, num_workers: int, timeout: float) -> None:
+        MPI = _State.MPI
+        if _State.world_used:
+            raise ClusterEnvError(
+                "the worker ranks of this MPI job already served a pool and have exited: a world launch "
+                "(mpiexec with several ranks) serves one pool; use launch='spawn' for more"
+            )
+        _State.world_used = True
+        self.comm = MPI.COMM_WORLD
+        self.mode = "world"
+        available = self.comm.Get_size() - 1
+        self._handshake(list(range(1, available + 1)), timeout)
+        if num_workers != available:
+            for worker in range(available):
+                self.send(worker, ("close", None))
+            for worker in range(available):
+                try:
+                    self.recv(worker, 5.0)
+                except ClusterEnvError:
+                    pass
+            self.close(5.0)
+            raise ValueError(
+                f"this MPI job has {available} worker ranks (COMM_WORLD size {available + 1}) but the pool asked "
+                f"for num_workers={num_workers}: pass num_workers={available}"
+            )
+
+    def _handshake(self, ranks: list[int], timeout: float) -> None:
+        """Learn each worker's pid and host, then tell it its index and how to poll."""
+        MPI = _State.MPI
+        self.ranks = ranks
+        count = len(ranks)
+        self.pids, self.hosts = [0] * count, [""] * count
+        self._sends = [[] for _ in range(count)]
+        self._last_op = [""] * count
+        self._result_requests = [None] * count
+        self._action_requests = [None] * count
+        for worker, rank in enumerate(ranks):
+            probe = _Probe(MPI, self.comm, rank, _TAG_HELLO)
+            if not _poll(probe, timeout, self.spin, self.max_sleep, self._check_manager, self.liveness_interval):
+                self.failed.add(worker)
+                raise WorkerTimeoutError(
+                    f"worker {worker} (MPI rank {rank}) did not start within {timeout:g} s"
+                    + (" (is its rank running python -m clusterenv_core.worker mpi?)" if self.mode == "world" else "")
+                )
+            hello = self._receive_pickled(probe)
+            self.pids[worker], self.hosts[worker] = hello["pid"], hello["host"]
+        config = {
+            "learner_pid": os.getpid(),
+            "learner_host": _HOST,
+            "spin": self.worker_spin,
+            "max_sleep": self.worker_max_sleep,
+            "liveness_interval": self.liveness_interval,
+        }
+        for worker, rank in enumerate(ranks):
+            data = dumps(dict(config, worker=worker))
+            self._sends[worker].append((self.comm.Isend(data, dest=rank, tag=_TAG_CONFIG), data))
+
+    # -- control messages -------------------------------------------------------------------------
+
+    def send(self, worker: int, message: Any) -> None:
+        if self._closed:
+            raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
+        data = dumps(message)
+        pending = self._sends[worker]
+        if pending:
+            pending[:] = [(request, buffer) for request, buffer in pending if not request.Test()]
+        pending.append((self.comm.Isend(data, dest=self.ranks[worker], tag=_TAG_CONTROL), data))
+        self._awaiting.add(worker)
+        self._last_op[worker] = op = message[0]
+        if op == "close":
+            self._closing.add(worker)
+
+    def recv(self, worker: int, timeout: float) -> Any:
+        if self._closed:
+            raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
+        if self._result_requests[worker] is not None:
+            return self.recv_step(worker, timeout)
+        probe = _Probe(_State.MPI, self.comm, self.ranks[worker], _TAG_REPLY)
+        self._wait(worker, probe, timeout)
+        reply = self._receive_pickled(probe)
+        if self._last_op[worker] in _ROW_OPS and self._result_messages:
+            rank = self.ranks[worker]
+            self._wait(worker, self.comm.Irecv(self._result_messages[worker], source=rank, tag=_TAG_RESULT).Test, timeout)
+        self._awaiting.discard(worker)
+        if worker in self._closing:
+            self._closed_ok.add(worker)
+        return reply
+
+    def _receive_pickled(self, probe: _Probe) -> Any:
+        buffer = bytearray(probe.status.Get_count(_State.MPI.BYTE))
+        probe.message.Recv(buffer)
+        return pickle.loads(buffer)
+
+    def _wait(self, worker: int, ready, timeout: float) -> None:
+        if ready():
+            return
+        if not _poll(ready, timeout, self.spin, self.max_sleep, lambda: self._check_alive(worker), self.liveness_interval):
+            self.failed.add(worker)
+            raise WorkerTimeoutError(f"worker {worker} ({self._describe(worker)}) did not answer within {timeout:g} s")
+
+    def _describe(self, worker: int) -> str:
+        return f"MPI rank {self.ranks[worker]}, pid {self.pids[worker]} on {self.hosts[worker]}"
+
+    def _check_manager(self) -> None:
+        if self.mode == "spawn" and _pm_exited():
+            raise self._lost_all("MPI's process manager ended (a spawned worker rank died and MPICH ended its job)")
+
+    def _check_alive(self, worker: int) -> None:
+        if self.hosts[worker] == _HOST and not _pid_alive(self.pids[worker]):
+            if self.mode == "spawn":
+                _pm_exited()  # MPICH ends the spawned job: later spawns and MPI_Finalize are not possible
+                _State.finalize_unsafe = True
+            self.failed.add(worker)
+            raise WorkerLostError(f"worker {worker} ({self._describe(worker)}) died")
+        self._check_manager()
+
+    def _lost_all(self, why: str) -> WorkerLostError:
+        self.failed.update(range(self.num_workers))
+        return WorkerLostError(f"all {self.num_workers} MPI workers of this pool are lost: {why}")
+
+    # -- buffers and steps ------------------------------------------------------------------------
+
+    def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
+        MPI = _State.MPI
+        count = len(blocks)
+        header_bytes = -(-_HEADER * count // _ALIGN) * _ALIGN
+        self._memory = memory = bytearray(header_bytes + spec.nbytes())
+        buffers = BatchBuffers(spec, memoryview(memory)[header_bytes:])
+        self._headers = np.frombuffer(memory, dtype=np.int64, count=2 * count).reshape(count, 2)
+        base = _address(memory)
+        always, when_done = _result_arrays(buffers)
+        self._result_messages, self._action_messages = [], []
+        for worker, block in enumerate(blocks):
+
+            def rows(arrays: list[np.ndarray], block: range = block) -> list[tuple[int, int]]:
+                return [
+                    (array.ctypes.data - base + block.start * _row_bytes(array), len(block) * _row_bytes(array))
+                    for array in arrays
+                ]
+
+            results = _block_type(MPI, [(_HEADER * worker, _HEADER), *rows(always), *rows(when_done)])
+            actions = _block_type(MPI, rows(buffers.actions))
+            self._datatypes += [results, actions]
+            self._result_messages.append([memory, 1, results])
+            self._action_messages.append([memory, 1, actions])
+        return buffers
+
+    def send_step(self, worker: int) -> None:
+        if self._closed:
+            raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
+        rank = self.ranks[worker]
+        comm = self.comm
+        # The receive goes first, so the result rows land directly in the buffers.
+        self._result_requests[worker] = comm.Irecv(self._result_messages[worker], source=rank, tag=_TAG_RESULT)
+        self._action_requests[worker] = comm.Isend(self._action_messages[worker], dest=rank, tag=_TAG_STEP)
+
+    def recv_step(self, worker: int, timeout: float) -> Any:
+        request = self._result_requests[worker]
+        if request is None:
+            raise ClusterEnvError(f"recv_step without send_step for worker {worker}")
+        self._wait(worker, request.Test, timeout)
+        self._result_requests[worker] = None
+        self._wait(worker, self._action_requests[worker].Test, timeout)  # complete already: the worker answered
+        self._action_requests[worker] = None
+        length = self._headers[worker, 0]
+        if length == 0:
+            return _OK_NONE
+        probe = _Probe(_State.MPI, self.comm, self.ranks[worker], _TAG_PAYLOAD)
+        self._wait(worker, probe, timeout)
+        return self._receive_pickled(probe)
+
+    # -- regions (worker-side inference) ----------------------------------------------------------
+
+    def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
+        region = bytearray(nbytes)
+        self._regions.append(region)
+        return len(self._regions) - 1, memoryview(region)
+
+    def send_arrays(self, worker: int, arrays: list) -> None:
+        rank = self.ranks[worker]
+        for array in arrays:
+            data = np.ascontiguousarray(array)
+            self._wait(worker, self.comm.Isend(data, dest=rank, tag=_TAG_ARRAYS).Test, _ARRAYS_TIMEOUT)
+
+    def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
+        for array in arrays:
+            target = array if array.flags.c_contiguous else np.empty_like(array)
+            self._wait(worker, self.comm.Irecv(target, source=self.ranks[worker], tag=_TAG_ARRAYS).Test, timeout)
+            if target is not array:
+                array[...] = target
+
+    # -- end --------------------------------------------------------------------------------------
+
+    def _close_at_exit(self) -> None:
+        """Interpreter exit with the pool still open: ask the workers to close, as the pool would."""
+        if self._closed or self.comm is None:
+            return
+        for worker in range(self.num_workers):
+            if worker in self.failed or worker in self._closing:
+                continue
+            try:
+                if worker in self._awaiting or self._result_requests[worker] is not None:
+                    self.recv(worker, 5.0)
+                self.send(worker, ("close", None))
+            except ClusterEnvError:
+                pass
+        for worker in sorted(self._closing - self._closed_ok - self.failed):
+            try:
+                self.recv(worker, 5.0)
+            except ClusterEnvError:
+                pass
+        self.close(5.0)
+
+    def close(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _State.live.discard(self)
+        if self.comm is None:
+            return
+        deadline = time.monotonic() + timeout
+        for request in self._result_requests:
+            if request is not None:
+                try:
+                    request.Cancel()
+                    _poll(request.Test, 1.0, 0.0, 1e-3)
+                except Exception:
+                    pass
+        unclosed = [worker for worker in range(self.num_workers) if worker not in self._closed_ok]
+        if self.mode == "spawn":
+            if unclosed:
+                # Stuck or lost ranks: kill those on this host; MPICH then ends the rest of the spawn.
+                for worker in unclosed:
+                    if self.hosts[worker] == _HOST and _pid_alive(self.pids[worker]):
+                        try:
+                            os.kill(self.pids[worker], signal.SIGKILL)
+                        except OSError:
+                            pass
+                _State.finalize_unsafe = True
+                try:
+                    self.comm.Free()
+                except Exception:
+                    pass
+            else:
+                # Every worker answered "close" and disconnects too (a collective call).
+                self.comm.Disconnect()
+            # Closed workers finalize and exit at once; wait for those on this host.
+            for worker in range(self.num_workers):
+                if self.hosts[worker] != _HOST:
+                    continue
+                while _pid_alive(self.pids[worker]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        elif unclosed:
+            # A world rank that did not close would keep MPI_Finalize waiting forever.
+            _State.abort_at_exit = True
+        for datatype in self._datatypes:
+            try:
+                datatype.Free()
+            except Exception:
+                pass
+        self._datatypes = []
+        self._result_requests = [None] * self.num_workers
+        self._action_requests = [None] * self.num_workers
+        self._sends = [[] for _ in range(self.num_workers)]
+
+
+# -- worker side ------------------------------------------------------------------------------------
+
+
+class MPIWorkerConnection(WorkerConnection):
+    """Worker side of the MPI backend.
+
+    :param comm: the communicator to the learner (the spawn intercommunicator or ``COMM_WORLD``)
+    :param kind: ``"spawn"``, ``"mpmd"`` or ``"spmd"`` (how this rank became a worker)
+    """
+
+    def __init__(self, comm: Any, kind: str) -> None:
+        MPI = _State.MPI
+        self.comm, self.kind = comm, kind
+        self.learner = 0
+        data = dumps({"pid": os.getpid(), "host": _HOST})
+        request = comm.Isend(data, dest=self.learner, tag=_TAG_HELLO)
+        probe = _Probe(MPI, comm, self.learner, _TAG_CONFIG)
+        _poll(probe, float("inf"), 0.0, 5e-3)
+        buffer = bytearray(probe.status.Get_count(MPI.BYTE))
+        probe.message.Recv(buffer)
+        _poll(request.Test, float("inf"), 0.0, 5e-3)
+        config = pickle.loads(buffer)
+        self.index = config["worker"]
+        self.learner_pid, self.learner_host = config["learner_pid"], config["learner_host"]
+        self.spin, self.max_sleep = config["spin"], config["max_sleep"]
+        self.liveness_interval = config["liveness_interval"]
+        self.learner_gone = False
+        self.probe = _Probe(MPI, comm, self.learner, MPI.ANY_TAG)
+        self.last_op = ""
+        self.full_message = None
+        self.datatypes: list = []
+        self.regions: list[bytearray] = []
+
+    def _check_learner(self) -> None:
+        if self.learner_host == _HOST and not _pid_alive(self.learner_pid):
+            self.learner_gone = True
+            raise EOFError
+
+    def _complete(self, request: Any) -> None:
+        """Wait for one of our sends; a learner that disappears meanwhile ends the worker."""
+        if not request.Test():
+            # EOFError (learner gone) ends the worker loop; close() then exits.
+            _poll(request.Test, float("inf"), self.spin, self.max_sleep, self._check_learner, self.liveness_interval)
+
+    def recv(self) -> Any:
+        probe = self.probe
+        while True:
+            if not probe():
+                try:
+                    _poll(probe, float("inf"), self.spin, self.max_sleep, self._check_learner, self.liveness_interval)
+                except EOFError:
+                    return None
+            tag = probe.status.Get_tag()
+            if tag == _TAG_STEP:
+                probe.message.Recv(self.action_message)
+                return STEP
+            buffer = bytearray(probe.status.Get_count(_State.MPI.BYTE))
+            probe.message.Recv(buffer)
+            if tag == _TAG_CONTROL:
+                message = pickle.loads(buffer)
+                self.last_op = message[0]
+                return message
+            # Anything else (arrays of an interrupted exchange) is dropped.
+
+    def send(self, message: Any) -> None:
+        data = dumps(message)
+        request = self.comm.Isend(data, dest=self.learner, tag=_TAG_REPLY)
+        if self.last_op in _ROW_OPS and self.full_message is not None:
+            self.header[0] = 0
+            self._complete(self.comm.Isend(self.full_message, dest=self.learner, tag=_TAG_RESULT))
+        self._complete(request)
+
+    def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
+        MPI = _State.MPI
+        local = BatchSpec(len(block), spec.observation_space, spec.action_space)
+        self.memory = memory = bytearray(_ALIGN + local.nbytes())
+        buffers = BatchBuffers(local, memoryview(memory)[_ALIGN:])
+        self.header = np.frombuffer(memory, dtype=np.int64, count=2)
+        base = _address(memory)
+
+        def rows(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
+            return [(array.ctypes.data - base, array.nbytes) for array in arrays]
+
+        always, when_done = _result_arrays(buffers)
+        short = _block_type(MPI, [(0, _HEADER), *rows(always)])
+        full = _block_type(MPI, [(0, _HEADER), *rows(always), *rows(when_done)])
+        actions = _block_type(MPI, rows(buffers.actions))
+        for datatype in self.datatypes:
+            datatype.Free()
+        self.datatypes = [short, full, actions]
+        self.short_message, self.full_message = [memory, 1, short], [memory, 1, full]
+        self.action_message = [memory, 1, actions]
+        self.has_final = bool(when_done)
+        self.terminated, self.truncated = buffers.terminated, buffers.truncated
+        return buffers, 0
+
+    def send_step(self, reply: Any) -> None:
+        comm, learner = self.comm, self.learner
+        data = None
+        if reply[1] is None and reply[0] == "ok":
+            self.header[0] = 0
+        else:
+            data = dumps(reply)
+            self.header[0] = len(data)
+        ended = self.has_final and (self.terminated.any() or self.truncated.any())
+        request = comm.Isend(self.full_message if ended else self.short_message, dest=learner, tag=_TAG_RESULT)
+        if data is not None:
+            self._complete(comm.Isend(data, dest=learner, tag=_TAG_PAYLOAD))
+        self._complete(request)
+
+    def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
+        region = bytearray(fields_nbytes(fields, len(block)))
+        self.regions.append(region)
+        return field_views(fields, len(block), region), 0
+
+    def send_arrays(self, arrays: list) -> None:
+        for array in arrays:
+            self._complete(self.comm.Isend(np.ascontiguousarray(array), dest=self.learner, tag=_TAG_ARRAYS))
+
+    def recv_arrays(self, arrays: list) -> None:
+        for array in arrays:
+            target = array if array.flags.c_contiguous else np.empty_like(array)
+            self._complete(self.comm.Irecv(target, source=self.learner, tag=_TAG_ARRAYS))
+            if target is not array:
+                array[...] = target
+
+    def close(self) -> None:
+        """Leave MPI and end the process with code 0 (never returns)."""
+        MPI = _State.MPI
+        for datatype in self.datatypes:
+            try:
+                datatype.Free()
+            except Exception:
+                pass
+        self.datatypes = []
+        _flush()
+        if not self.learner_gone:
+            if self.kind == "spawn":
+                # With the learner's Disconnect: MPICH's process manager treats an exit without it as a failure.
+                self.comm.Disconnect()
+            # World ranks wait here, idle, until the learner finalizes too.
+            MPI.Finalize()
+            _flush()
+            # C exit(), not os._exit(): MPICH finishes leaving its process manager in an exit handler
+            # (without it the manager counts the rank as failed); Python's own exit would run the
+            # script's finally blocks and atexit handlers, which an SPMD worker must not.
+            import ctypes
+
+            ctypes.CDLL(None).exit(0)
+        _flush()
+        os._exit(0)
+
+
+def _connect(kind: str) -> MPIWorkerConnection:
+    """Become a worker: initialize MPI (waiting at most the connect timeout for the learner)."""
+    if _in_main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    watchdog = kind != "spawn" and _connect_timeout() > 0
+    if watchdog:
+        # MPI_Init and the handshake block in C until the learner takes part; a learner that never
+        # creates its pool must not leave this rank waiting forever.
+        faulthandler.dump_traceback_later(_connect_timeout(), exit=True)
+    try:
+        MPI = _mpi(worker=True)
+        if kind == "spawn":
+            comm = MPI.Comm.Get_parent()
+            if comm == MPI.COMM_NULL:
+                raise SystemExit("clusterenv worker (mpi spawn): not started by MPI_Comm_spawn")
+        else:
+            comm = MPI.COMM_WORLD
+            if comm.Get_size() == 1 or comm.Get_rank() == 0:
+                raise SystemExit(
+                    "clusterenv worker (mpi): run the worker program as ranks 1.. of an MPI job whose rank 0 is "
+                    "the learner, e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker mpi"
+                )
+        return MPIWorkerConnection(comm, kind)
+    finally:
+        if watchdog:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _connect_timeout() -> float:
+    value = os.environ.get(CONNECT_TIMEOUT_VARIABLE, "")
+    try:
+        return float(value) if value else _DEFAULT_CONNECT_TIMEOUT
+    except ValueError:
+        return _DEFAULT_CONNECT_TIMEOUT
+
+
+def _serve_as_worker() -> None:
+    """SPMD: a rank above 0 that constructs a pool serves rank 0 instead, then exits."""
+    from clusterenv_core.worker import serve
+
+    connection = _connect("spmd")
+    try:
+        serve(connection)  # its close() finalizes MPI and exits
+    finally:
+        _flush()
+        os._exit(0)
+
+
+def worker_connection(argv: list[str]) -> MPIWorkerConnection:
+    """Build the worker side from ``python -m clusterenv_core.worker mpi [spawn]``.
+
+    Without arguments (MPMD launches) the rank serves rank 0 of ``COMM_WORLD``; ``spawn`` is what
+    spawned ranks get and serves the parent.
+    """
+    kind = argv[0] if argv else "mpmd"
+    if kind == "world":
+        kind = "mpmd"
+    if kind not in ("spawn", "mpmd"):
+        raise SystemExit(f"clusterenv worker (mpi): unknown argument {kind!r}; expected nothing or 'spawn'")
+    return _connect(kind)
