@@ -10,12 +10,14 @@ environments, seeds and actions. The constructor and the results follow the inst
 - gymnasium 0.29: ``ClusterVectorEnv(env_fns, observation_space=None, action_space=None, copy=True, ...)``,
   resetting in the same step and reporting ``final_observation``/``final_info`` in the infos.
 
-Both take the ClusterEnv keywords ``backend``, ``num_workers``, ``timeout`` and backend options.
+Both also take the ClusterEnv keywords ``backend``, ``num_workers``, ``timeout``, the opt-in
+restarts (``restart_failed_envs``, ``restart_failed_workers``, ``max_restarts``) and backend options.
 
-Differences from ``SyncVectorEnv`` that no result shows: there is no ``envs`` list (the envs live on
-the workers; use :meth:`call`, :meth:`get_attr` and :meth:`set_attr`), envs receive actions in the
-action space's dtype, and an exception raised by an env reaches the caller as
-:class:`~clusterenv_core.errors.EnvError` carrying the remote traceback.
+Where it differs from ``SyncVectorEnv``: there is no ``envs`` list (the envs live on the workers;
+use :meth:`call`, :meth:`get_attr` and :meth:`set_attr`); envs receive actions in the action space's
+dtype (pass float32 actions to a float32 ``Box`` for identical results); an exception raised by an
+env reaches the caller as :class:`~clusterenv_core.errors.EnvError` carrying the remote traceback;
+it is a context manager, and on gymnasium 0.29 it has :meth:`render` too.
 """
 
 from __future__ import annotations
