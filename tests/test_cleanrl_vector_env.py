@@ -82,7 +82,7 @@ def key_order(value):
     """The keys of every dict in ``value``, in order (``assert_same`` accepts any order)."""
     if isinstance(value, dict):
         return [(key, key_order(item)) for key, item in value.items()]
-    if isinstance(value, tuple):
+    if isinstance(value, tuple) or (isinstance(value, np.ndarray) and value.dtype == object):
         return [key_order(item) for item in value]
     return None
 
@@ -170,22 +170,8 @@ SPACE_PAIRS = {
 }
 
 
-# A final observation that fits the pool's buffers comes back from them as a plain dict in the
-# space's key order; SyncVectorEnv hands out the env's own object (an OrderedDict, other key orders).
-FINAL_OBS_IS_REBUILT = pytest.mark.xfail(
-    strict=True, reason="core: buffered final observations lose the env's dict type and key order"
-)
-
-
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    "pair",
-    [
-        # gymnasium 0.29's Dict.sample() returns OrderedDicts.
-        pytest.param(pair, marks=FINAL_OBS_IS_REBUILT if pair == "nested obs, dict actions" and not GYMNASIUM_1 else ())
-        for pair in SPACE_PAIRS
-    ],
-)
+@pytest.mark.parametrize("pair", list(SPACE_PAIRS))
 def test_more_spaces(pair, mode):
     observation_space, action_space = SPACE_PAIRS[pair]
     env_fns = [functools.partial(SpacesEnv, observation_space, action_space)] * 3
@@ -206,7 +192,6 @@ def test_more_spaces(pair, mode):
     sync.close()
 
 
-@FINAL_OBS_IS_REBUILT
 def test_final_observation_is_the_envs_own_dict():
     mode = "SameStep" if GYMNASIUM_1 else None
     cluster, sync = make_pair([make_dict_env] * 2, mode)
@@ -341,6 +326,28 @@ def test_reset_mask_validation():
         assert_same(cluster.reset(options=options_cluster), sync.reset(options=options_sync))
         assert options_cluster == options_sync == {"level": 1}
     sync.close()
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="observation_mode is gymnasium 1.x")
+def test_observation_modes():
+    single = spaces.Box(-5.0, 5.0, (4,), np.float32)
+    custom = (gym.vector.utils.batch_space(single, 3), single)
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 3
+    for observation_mode in ("different", custom):
+        cluster, sync = make_pair(env_fns, observation_mode=observation_mode)
+        with cluster:
+            assert cluster.single_observation_space == sync.single_observation_space
+            assert cluster.observation_space == sync.observation_space
+            run_and_compare(cluster, sync, 50, seed=11)
+        sync.close()
+    for bad_mode in ("other", (single, "not a space")):
+        expected = _raised(lambda: gym.vector.SyncVectorEnv(env_fns, observation_mode=bad_mode))
+        with pytest.raises(type(expected)) as raised:
+            ClusterVectorEnv(env_fns, observation_mode=bad_mode)
+        assert str(raised.value) == str(expected)
+    wrong_shape = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    with pytest.raises(RuntimeError, match="do not share a common shape and dtype"):
+        ClusterVectorEnv(env_fns, observation_mode=(gym.vector.utils.batch_space(wrong_shape, 3), wrong_shape))
 
 
 @pytest.mark.skipif(not GYMNASIUM_1, reason="autoreset modes are gymnasium 1.x")
