@@ -43,12 +43,17 @@ third message, whose size the header announces. Control messages are pickled.
 
 Waiting
 -------
-No MPI call blocks: waits poll ``Test``/``Improbe`` with a deadline -- first a spin of ``spin``
-seconds (learner) or ``worker_spin`` (workers), then sleeps that double from 20 us up to
-``max_sleep``/``worker_max_sleep``. An idle worker (the learner trains) therefore costs a few
-wake-ups per millisecond, not a core. Every ``liveness_interval`` a wait checks that the peer still
-exists: the learner checks worker pids on its own host and, in spawn mode, MPICH's process manager;
-a worker checks the learner's pid when they share a host.
+No MPI call blocks: every wait tests its request or probe (``Test``/``Improbe``) under a deadline.
+MPICH's own blocking calls spin, and on a busy host a spinning or timer-napping waiter loses to a
+kernel wake-up, so peers on the learner's host also share a *doorbell*: an abstract Unix socket
+(no file anywhere) on which the sender writes one byte after its MPI sends and the receiver sleeps
+in ``poll()``. MPI still carries all data; the doorbell only says "look now", and its end-of-file
+says the peer process is gone, at once. An idle pool costs no CPU. Peers on other hosts poll: a
+spin of ``spin`` seconds (learner) or ``worker_spin`` (workers), then naps doubling from 20 us up
+to ``max_sleep``/``worker_max_sleep``, so a worker idle while the learner trains wakes about once a
+millisecond instead of burning a core (set ``worker_spin=0`` on oversubscribed nodes). Every
+``liveness_interval`` a wait also checks that the peer still exists (pids on the same host, and in
+spawn mode MPICH's process manager).
 
 Faults (MPICH 5)
 ----------------
@@ -83,13 +88,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import faulthandler
 import os
 import pickle
+import secrets
+import select
 import shlex
 import shutil
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -112,6 +121,7 @@ _TAG_PAYLOAD = 7105  # worker -> learner: the pickled step reply, when it is not
 _TAG_ARRAYS = 7106  # either way: the arrays of a region (policy weights, rollout segments)
 _TAG_HELLO = 7107  # worker -> learner, once: pid and host
 _TAG_CONFIG = 7108  # learner -> worker, once: its index, the learner's pid and host, polling
+_TAG_BELL = 7109  # worker -> learner, once: whether it connected to the learner's doorbell
 
 _HEADER = 16  # bytes: int64 length of the pickled reply that follows (0: "ok", None), int64 spare
 _ALIGN = 64
@@ -120,6 +130,7 @@ _OK_NONE = ("ok", None)
 # the rows, as a step's is. The local backend needs no such thing: its buffers are shared.
 _ROW_OPS = frozenset({"reset", "rollout"})
 _MIN_NAP = 20e-6
+_RUNG_SPIN = 200e-6  # after a ring, poll this long without sleeping: the message is on its way
 _ARRAYS_TIMEOUT = 60.0
 # Environment variables set by process managers for the processes they launch.
 _PM_VARIABLES = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -285,6 +296,79 @@ def _poll(ready, timeout: float, spin: float, max_sleep: float, check=None, inte
                 nap = min(nap * 2.0, max_sleep)
 
 
+class _PeerGone(Exception):
+    """The process at the other end of a doorbell exited."""
+
+
+class _Doorbell:
+    """A same-host wake-up channel next to MPI: one byte after each batch of sends to the peer.
+
+    MPICH's waits spin, and sleeping between polls costs a timer wake-up each time; on a busy
+    host both lose to a kernel wake-up. Peers on one host therefore also share a Unix socket: the
+    sender rings it after its MPI sends, and the receiver blocks in ``poll()`` on it. MPI still
+    carries every byte of data; the doorbell only says "look now", and its end-of-file says the peer
+    exited. A ring that finds the message not yet visible (MPI progress still owed by the sender)
+    falls back to short polling.
+    """
+
+    __slots__ = ("sock", "poller")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLIN)
+
+    def ring(self) -> None:
+        try:
+            self.sock.send(b"\0", socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            pass  # bytes already pending: the peer wakes anyway
+        except OSError:
+            pass  # the peer is gone; its end-of-file tells the waiting side
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                data = self.sock.recv(4096)
+                if not data:
+                    raise _PeerGone
+                if len(data) < 4096:
+                    return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            raise _PeerGone from None
+
+    def wait(self, ready, timeout: float, max_sleep: float, check=None, interval: float = 0.25) -> bool:
+        """Like :func:`_poll`, sleeping in the kernel until the peer rings."""
+        self._drain()  # rings of messages already received; any ring from now on is news
+        if ready():
+            return True
+        now = time.perf_counter()
+        deadline, next_check = now + timeout, now + interval
+        while True:
+            slice_ = min(deadline, next_check) - now
+            if slice_ > 0 and self.poller.poll(slice_ * 1000.0):
+                self._drain()
+                if ready():
+                    return True
+                # Rung, but the message is still in flight (MPI progress owed on either side).
+                now = time.perf_counter()
+                return _poll(ready, deadline - now, _RUNG_SPIN, max_sleep, check, interval)
+            if ready():
+                return True
+            now = time.perf_counter()
+            if now >= deadline:
+                return False
+            if check is not None and now >= next_check:
+                check()
+                next_check = now + interval
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class _Probe:
     """A matched probe for one source and tag, usable as ``ready()`` of :func:`_poll`."""
 
@@ -377,6 +461,7 @@ class MPITransport(Transport):
     :param worker_spin: seconds a worker polls for the next message without sleeping
     :param worker_max_sleep: longest nap of an idle worker
     :param liveness_interval: seconds between checks that a silent peer still exists
+    :param doorbell: wake peers on the learner's host through a Unix socket instead of polling
     """
 
     shares_memory = False
@@ -390,9 +475,10 @@ class MPITransport(Transport):
         isolate: bool = True,
         spin: float = 50e-6,
         max_sleep: float = 200e-6,
-        worker_spin: float = 2e-3,
+        worker_spin: float = 1e-3,
         worker_max_sleep: float = 1e-3,
         liveness_interval: float = 0.25,
+        doorbell: bool = True,
     ) -> None:
         if launch not in ("auto", "spawn", "world"):
             raise ValueError(f"launch must be 'auto', 'spawn' or 'world', got {launch!r}")
@@ -413,6 +499,8 @@ class MPITransport(Transport):
         self.spin, self.max_sleep = float(spin), max(float(max_sleep), _MIN_NAP)
         self.worker_spin, self.worker_max_sleep = float(worker_spin), max(float(worker_max_sleep), _MIN_NAP)
         self.liveness_interval = max(float(liveness_interval), 0.01)
+        self.doorbell = bool(doorbell)
+        self._bells: list[_Doorbell | None] = []
         self.failed: set[int] = set()
         self.mode: str | None = None
         self.comm: Any = None
@@ -533,6 +621,14 @@ class MPITransport(Transport):
                 )
             hello = self._receive_pickled(probe)
             self.pids[worker], self.hosts[worker] = hello["pid"], hello["host"]
+        self._bells = [None] * count
+        listener = name = None
+        if self.doorbell and _HOST in self.hosts and sys.platform.startswith("linux"):
+            # An abstract socket: no file anywhere, gone when closed.
+            name = f"\0clusterenv-mpi-{os.getpid()}-{secrets.token_hex(8)}"
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(name)
+            listener.listen(count)
         config = {
             "learner_pid": os.getpid(),
             "learner_host": _HOST,
@@ -540,9 +636,44 @@ class MPITransport(Transport):
             "max_sleep": self.worker_max_sleep,
             "liveness_interval": self.liveness_interval,
         }
-        for worker, rank in enumerate(ranks):
-            data = dumps(dict(config, worker=worker))
-            self._sends[worker].append((self.comm.Isend(data, dest=rank, tag=_TAG_CONFIG), data))
+        try:
+            for worker, rank in enumerate(ranks):
+                bell = name if self.hosts[worker] == _HOST else None
+                data = dumps(dict(config, worker=worker, doorbell=bell))
+                self._sends[worker].append((self.comm.Isend(data, dest=rank, tag=_TAG_CONFIG), data))
+            if listener is not None:
+                self._accept_doorbells(listener, timeout)
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def _accept_doorbells(self, listener: socket.socket, timeout: float) -> None:
+        """Each worker on this host says whether it connected; accept those that did, known by pid."""
+        MPI = _State.MPI
+        expected = 0
+        for worker, rank in enumerate(self.ranks):
+            if self.hosts[worker] != _HOST:
+                continue
+            probe = _Probe(MPI, self.comm, rank, _TAG_BELL)
+            if not _poll(probe, timeout, self.spin, self.max_sleep, self._check_manager, self.liveness_interval):
+                self.failed.add(worker)
+                raise WorkerTimeoutError(f"worker {worker} (MPI rank {rank}) did not finish starting within {timeout:g} s")
+            expected += bool(self._receive_pickled(probe))
+        by_pid = {pid: worker for worker, pid in enumerate(self.pids) if self.hosts[worker] == _HOST}
+        listener.settimeout(timeout)
+        while expected > 0:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # those workers poll instead
+            credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid = struct.unpack("3i", credentials)[0]
+            worker = by_pid.pop(pid, None)
+            if worker is None:  # not one of ours
+                sock.close()
+                continue
+            self._bells[worker] = _Doorbell(sock)
+            expected -= 1
 
     # -- control messages -------------------------------------------------------------------------
 
@@ -554,6 +685,9 @@ class MPITransport(Transport):
         if pending:
             pending[:] = [(request, buffer) for request, buffer in pending if not request.Test()]
         pending.append((self.comm.Isend(data, dest=self.ranks[worker], tag=_TAG_CONTROL), data))
+        bell = self._bells[worker]
+        if bell is not None:
+            bell.ring()
         self._awaiting.add(worker)
         self._last_op[worker] = op = message[0]
         if op == "close":
@@ -580,10 +714,21 @@ class MPITransport(Transport):
         probe.message.Recv(buffer)
         return pickle.loads(buffer)
 
-    def _wait(self, worker: int, ready, timeout: float) -> None:
+    def _wait(self, worker: int, ready, timeout: float, bell: bool = True) -> None:
+        """Wait for ``ready()`` (a receive the worker rings for, unless ``bell`` is false)."""
         if ready():
             return
-        if not _poll(ready, timeout, self.spin, self.max_sleep, lambda: self._check_alive(worker), self.liveness_interval):
+        check = functools.partial(self._check_alive, worker)
+        doorbell = self._bells[worker] if bell else None
+        try:
+            if doorbell is not None:
+                ok = doorbell.wait(ready, timeout, self.max_sleep, check, self.liveness_interval)
+            else:
+                ok = _poll(ready, timeout, self.spin, self.max_sleep, check, self.liveness_interval)
+        except _PeerGone:
+            self._check_alive(worker)  # names the cause when it can
+            raise self._dead(worker) from None
+        if not ok:
             self.failed.add(worker)
             raise WorkerTimeoutError(f"worker {worker} ({self._describe(worker)}) did not answer within {timeout:g} s")
 
@@ -596,12 +741,15 @@ class MPITransport(Transport):
 
     def _check_alive(self, worker: int) -> None:
         if self.hosts[worker] == _HOST and not _pid_alive(self.pids[worker]):
-            if self.mode == "spawn":
-                _pm_exited()  # MPICH ends the spawned job: later spawns and MPI_Finalize are not possible
-                _State.finalize_unsafe = True
-            self.failed.add(worker)
-            raise WorkerLostError(f"worker {worker} ({self._describe(worker)}) died")
+            raise self._dead(worker)
         self._check_manager()
+
+    def _dead(self, worker: int) -> WorkerLostError:
+        if self.mode == "spawn":
+            _pm_exited()  # MPICH ends the spawned job: later spawns and MPI_Finalize are not possible
+            _State.finalize_unsafe = True
+        self.failed.add(worker)
+        return WorkerLostError(f"worker {worker} ({self._describe(worker)}) died")
 
     def _lost_all(self, why: str) -> WorkerLostError:
         self.failed.update(range(self.num_workers))
@@ -642,6 +790,9 @@ class MPITransport(Transport):
         # The receive goes first, so the result rows land directly in the buffers.
         self._result_requests[worker] = comm.Irecv(self._result_messages[worker], source=rank, tag=_TAG_RESULT)
         self._action_requests[worker] = comm.Isend(self._action_messages[worker], dest=rank, tag=_TAG_STEP)
+        bell = self._bells[worker]
+        if bell is not None:
+            bell.ring()
 
     def recv_step(self, worker: int, timeout: float) -> Any:
         request = self._result_requests[worker]
@@ -649,7 +800,7 @@ class MPITransport(Transport):
             raise ClusterEnvError(f"recv_step without send_step for worker {worker}")
         self._wait(worker, request.Test, timeout)
         self._result_requests[worker] = None
-        self._wait(worker, self._action_requests[worker].Test, timeout)  # complete already: the worker answered
+        self._wait(worker, self._action_requests[worker].Test, timeout, bell=False)  # done: the worker answered
         self._action_requests[worker] = None
         length = self._headers[worker, 0]
         if length == 0:
@@ -669,7 +820,11 @@ class MPITransport(Transport):
         rank = self.ranks[worker]
         for array in arrays:
             data = np.ascontiguousarray(array)
-            self._wait(worker, self.comm.Isend(data, dest=rank, tag=_TAG_ARRAYS).Test, _ARRAYS_TIMEOUT)
+            request = self.comm.Isend(data, dest=rank, tag=_TAG_ARRAYS)
+            bell = self._bells[worker]
+            if bell is not None:
+                bell.ring()
+            self._wait(worker, request.Test, _ARRAYS_TIMEOUT, bell=False)
 
     def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
         for array in arrays:
@@ -751,6 +906,10 @@ class MPITransport(Transport):
         self._result_requests = [None] * self.num_workers
         self._action_requests = [None] * self.num_workers
         self._sends = [[] for _ in range(self.num_workers)]
+        for bell in self._bells:
+            if bell is not None:
+                bell.close()
+        self._bells = [None] * self.num_workers
 
 
 # -- worker side ------------------------------------------------------------------------------------
@@ -775,6 +934,16 @@ class MPIWorkerConnection(WorkerConnection):
         probe.message.Recv(buffer)
         _poll(request.Test, float("inf"), 0.0, 5e-3)
         config = pickle.loads(buffer)
+        self.bell: _Doorbell | None = None
+        if config["doorbell"] is not None:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(config["doorbell"])
+                self.bell = _Doorbell(sock)
+            except OSError:
+                pass  # poll instead (e.g. another network namespace)
+            connected = dumps(self.bell is not None)
+            _poll(comm.Isend(connected, dest=self.learner, tag=_TAG_BELL).Test, float("inf"), 0.0, 5e-3)
         self.index = config["worker"]
         self.learner_pid, self.learner_host = config["learner_pid"], config["learner_host"]
         self.spin, self.max_sleep = config["spin"], config["max_sleep"]
@@ -797,12 +966,28 @@ class MPIWorkerConnection(WorkerConnection):
             # EOFError (learner gone) ends the worker loop; close() then exits.
             _poll(request.Test, float("inf"), self.spin, self.max_sleep, self._check_learner, self.liveness_interval)
 
+    def _await(self, ready) -> None:
+        """Wait for something the learner sends (and rings for); EOFError when the learner is gone."""
+        bell = self.bell
+        if bell is None:
+            _poll(ready, float("inf"), self.spin, self.max_sleep, self._check_learner, self.liveness_interval)
+            return
+        try:
+            bell.wait(ready, float("inf"), self.max_sleep, self._check_learner, self.liveness_interval)
+        except _PeerGone:
+            self.learner_gone = True
+            raise EOFError from None
+
+    def _ring(self) -> None:
+        if self.bell is not None:
+            self.bell.ring()
+
     def recv(self) -> Any:
         probe = self.probe
         while True:
             if not probe():
                 try:
-                    _poll(probe, float("inf"), self.spin, self.max_sleep, self._check_learner, self.liveness_interval)
+                    self._await(probe)
                 except EOFError:
                     return None
             tag = probe.status.Get_tag()
@@ -820,9 +1005,13 @@ class MPIWorkerConnection(WorkerConnection):
     def send(self, message: Any) -> None:
         data = dumps(message)
         request = self.comm.Isend(data, dest=self.learner, tag=_TAG_REPLY)
+        rows = None
         if self.last_op in _ROW_OPS and self.full_message is not None:
             self.header[0] = 0
-            self._complete(self.comm.Isend(self.full_message, dest=self.learner, tag=_TAG_RESULT))
+            rows = self.comm.Isend(self.full_message, dest=self.learner, tag=_TAG_RESULT)
+        self._ring()
+        if rows is not None:
+            self._complete(rows)
         self._complete(request)
 
     def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
@@ -859,8 +1048,10 @@ class MPIWorkerConnection(WorkerConnection):
             self.header[0] = len(data)
         ended = self.has_final and (self.terminated.any() or self.truncated.any())
         request = comm.Isend(self.full_message if ended else self.short_message, dest=learner, tag=_TAG_RESULT)
-        if data is not None:
-            self._complete(comm.Isend(data, dest=learner, tag=_TAG_PAYLOAD))
+        payload = None if data is None else comm.Isend(data, dest=learner, tag=_TAG_PAYLOAD)
+        self._ring()
+        if payload is not None:
+            self._complete(payload)
         self._complete(request)
 
     def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
@@ -870,12 +1061,14 @@ class MPIWorkerConnection(WorkerConnection):
 
     def send_arrays(self, arrays: list) -> None:
         for array in arrays:
-            self._complete(self.comm.Isend(np.ascontiguousarray(array), dest=self.learner, tag=_TAG_ARRAYS))
+            request = self.comm.Isend(np.ascontiguousarray(array), dest=self.learner, tag=_TAG_ARRAYS)
+            self._ring()
+            self._complete(request)
 
     def recv_arrays(self, arrays: list) -> None:
         for array in arrays:
             target = array if array.flags.c_contiguous else np.empty_like(array)
-            self._complete(self.comm.Irecv(target, source=self.learner, tag=_TAG_ARRAYS))
+            self._await(self.comm.Irecv(target, source=self.learner, tag=_TAG_ARRAYS).Test)
             if target is not array:
                 array[...] = target
 
@@ -888,6 +1081,8 @@ class MPIWorkerConnection(WorkerConnection):
             except Exception:
                 pass
         self.datatypes = []
+        if self.bell is not None:
+            self.bell.close()
         _flush()
         if not self.learner_gone:
             if self.kind == "spawn":
