@@ -131,6 +131,7 @@ _OK_NONE = ("ok", None)
 _ROW_OPS = frozenset({"reset", "rollout"})
 _MIN_NAP = 20e-6
 _RUNG_SPIN = 200e-6  # after a ring, poll this long without sleeping: the message is on its way
+_CLOSED_GRACE = 1.0  # how long messages may trail the close of the sender's doorbell
 _ARRAYS_TIMEOUT = 60.0
 # Environment variables set by process managers for the processes they launch.
 _PM_VARIABLES = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -150,7 +151,7 @@ class _State:
     pm_pid: int | None = None
     pm_exited = False
     finalize_unsafe = False  # MPI_Finalize would crash (process manager gone)
-    abort_at_exit = False  # a world rank could not be closed: MPI_Finalize would wait for it forever
+    abort_at_exit = ""  # why: a world rank could not be closed, so MPI_Finalize would wait for it forever
     live: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -193,8 +194,7 @@ def _at_exit() -> None:
     if _State.abort_at_exit:
         _flush()
         print(
-            "clusterenv: a worker rank could not be closed; aborting the MPI job instead of waiting for it "
-            "forever in MPI_Finalize",
+            f"clusterenv: {_State.abort_at_exit}; aborting the MPI job instead of waiting for it forever in MPI_Finalize",
             file=sys.stderr,
             flush=True,
         )
@@ -327,32 +327,38 @@ class _Doorbell:
         except OSError:
             pass  # the peer is gone; its end-of-file tells the waiting side
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Read pending rings; True when the peer has closed its end."""
         try:
             while True:
                 data = self.sock.recv(4096)
                 if not data:
-                    raise _PeerGone
+                    return True
                 if len(data) < 4096:
-                    return
+                    return False
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
-            raise _PeerGone from None
+            return True
 
     def wait(self, ready, timeout: float, max_sleep: float, check=None, interval: float = 0.25) -> bool:
-        """Like :func:`_poll`, sleeping in the kernel until the peer rings."""
-        self._drain()  # rings of messages already received; any ring from now on is news
+        """Like :func:`_poll`, sleeping in the kernel until the peer rings; :class:`_PeerGone` when
+        the peer closed the doorbell and the awaited message does not follow."""
+        closed = self._drain()  # rings of messages already received; any ring from now on is news
         if ready():
             return True
         now = time.perf_counter()
         deadline, next_check = now + timeout, now + interval
+        if closed:
+            return self._closed_wait(ready, deadline - now, max_sleep, check)
         while True:
             slice_ = min(deadline, next_check) - now
             if slice_ > 0 and self.poller.poll(slice_ * 1000.0):
-                self._drain()
+                closed = self._drain()
                 if ready():
                     return True
+                if closed:
+                    return self._closed_wait(ready, deadline - time.perf_counter(), max_sleep, check)
                 # Rung, but the message is still in flight (MPI progress owed on either side).
                 now = time.perf_counter()
                 return _poll(ready, deadline - now, _RUNG_SPIN, max_sleep, check, interval)
@@ -364,6 +370,14 @@ class _Doorbell:
             if check is not None and now >= next_check:
                 check()
                 next_check = now + interval
+
+    @staticmethod
+    def _closed_wait(ready, remaining: float, max_sleep: float, check) -> bool:
+        # A peer closes its doorbell right after its last sends (a worker after its "close" reply):
+        # give those a moment to arrive; a dead peer shows in check() sooner.
+        if _poll(ready, min(remaining, _CLOSED_GRACE), 0.0, max_sleep, check, 0.01):
+            return True
+        raise _PeerGone
 
     def close(self) -> None:
         self.sock.close()
@@ -896,7 +910,8 @@ class MPITransport(Transport):
                     time.sleep(0.01)
         elif unclosed:
             # A world rank that did not close would keep MPI_Finalize waiting forever.
-            _State.abort_at_exit = True
+            ranks = ", ".join(str(self.ranks[worker]) for worker in unclosed)
+            _State.abort_at_exit = f"worker rank(s) {ranks} did not close"
         for datatype in self._datatypes:
             try:
                 datatype.Free()
