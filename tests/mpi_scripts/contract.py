@@ -1,0 +1,90 @@
+"""ClusterVecEnv(backend="mpi") against DummyVecEnv, in whatever MPI launch mode this script runs in.
+
+Usage (the checks run in order; a world launch serves one pool, so give it one check)::
+
+    python contract.py cartpole dict ppo                                          # spawn
+    mpiexec -n 1 python contract.py cartpole : -n 2 python -m clusterenv_core.worker mpi   # MPMD
+    mpiexec -n 3 python contract.py cartpole                                      # SPMD
+
+Rank 0 prints ``OK <check>`` for every check that passed; a failed check raises.
+In SPMD launches the MPI pool is created before anything else, so worker ranks do no other work.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+
+from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
+from tests.compare import assert_same  # noqa: E402
+from tests.envs import make_dict_env  # noqa: E402
+
+STEPS = 2000
+
+
+def side_by_side(env_fns, steps: int = STEPS, seed: int = 3) -> None:
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    actual = ClusterVecEnv(env_fns, backend="mpi", num_workers=2)  # first: SPMD worker ranks stop here
+    expected = DummyVecEnv(env_fns)
+    try:
+        expected.seed(seed)
+        actual.seed(seed)
+        assert_same(actual.reset(), expected.reset(), "reset obs")
+        assert_same(actual.reset_infos, expected.reset_infos, "reset_infos")
+        expected.action_space.seed(seed)
+        episodes = 0
+        for t in range(steps):
+            actions = np.stack([expected.action_space.sample() for _ in range(expected.num_envs)])
+            want = expected.step(actions)
+            got = actual.step(actions)
+            for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
+                assert_same(g, w, f"{name} at step {t}")
+            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
+            episodes += int(want[2].sum())
+        assert episodes > 10, "the run must cover many automatic resets"
+        assert_same(actual.get_attr("spec"), expected.get_attr("spec"), "get_attr")
+    finally:
+        actual.close()
+        expected.close()
+
+
+def ppo() -> None:
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    torch.set_num_threads(1)
+
+    def train(vec_env_cls, **vec_env_kwargs):
+        venv = make_vec_env("CartPole-v1", n_envs=4, seed=0, vec_env_cls=vec_env_cls, vec_env_kwargs=vec_env_kwargs)
+        model = PPO("MlpPolicy", venv, n_steps=128, batch_size=128, n_epochs=2, seed=0, device="cpu")
+        model.learn(total_timesteps=2048)
+        venv.close()
+        return model.policy.state_dict()
+
+    actual = train(ClusterVecEnv, backend="mpi", num_workers=2)
+    expected = train(DummyVecEnv)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+CHECKS = {
+    "cartpole": lambda: side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8),
+    # 5 envs on 2 workers: uneven blocks; Dict observations, Box actions, truncation at 25 steps.
+    "dict": lambda: side_by_side([make_dict_env] * 5),
+    "ppo": ppo,
+}
+
+if __name__ == "__main__":
+    for check in sys.argv[1:]:
+        CHECKS[check]()
+        print(f"OK {check}", flush=True)

@@ -1,0 +1,151 @@
+"""Fault scenarios of the MPI backend, one per run, in whatever launch mode this script runs in.
+
+    python faults.py <scenario>                                                   # spawn
+    mpiexec -n 1 python faults.py <scenario> : -n 2 python -m clusterenv_core.worker mpi   # MPMD
+    mpiexec -n 3 python faults.py <scenario>                                      # SPMD
+
+Rank 0 prints ``OK <scenario> ...`` lines the tests look for, and ``WORKERS <pid> <pid>`` with the
+worker ranks' pids (so a test can check they are gone). The pool is created first, so in SPMD
+launches worker ranks turn into workers before anything else happens.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+
+from clusterenv_core import EnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
+from tests.envs import FailingEnv, HangingEnv, SuicidalEnv  # noqa: E402
+
+
+def wrapped(wrapper, **kwargs):
+    return wrapper(gym.make("CartPole-v1"), **kwargs)
+
+
+CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+
+
+def make_pool(last_env=CARTPOLE, **kwargs) -> EnvPool:
+    pool = EnvPool([CARTPOLE] * 3 + [last_env], backend="mpi", num_workers=2, **kwargs)
+    print("WORKERS", *pool._transport.pids, flush=True)
+    return pool
+
+
+def step(pool: EnvPool):
+    return pool.step(np.zeros(pool.num_envs, dtype=np.int64))
+
+
+def env_exception() -> None:
+    pool = make_pool(functools.partial(wrapped, FailingEnv, fail_at=3))
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    step(pool)
+    try:
+        step(pool)
+    except EnvError as error:
+        assert error.env_index == 3 and error.worker_index == 1, error
+        assert "injected failure at step 3" in error.remote_traceback, error.remote_traceback
+        assert "Traceback (most recent call last)" in error.remote_traceback
+    else:
+        raise AssertionError("no EnvError")
+    # The pool stays usable and closeable.
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    assert pool.get_attr("total_steps", indices=[3]) == [4]
+    pool.close()
+    print("OK env_exception", flush=True)
+
+
+def worker_death() -> None:
+    pool = make_pool(functools.partial(wrapped, SuicidalEnv, die_at=3), timeout=30.0)
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    step(pool)
+    started = time.monotonic()
+    try:
+        step(pool)
+    except (WorkerLostError, WorkerTimeoutError) as error:
+        print(f"OK worker_death {type(error).__name__} after {time.monotonic() - started:.2f} s: {error}", flush=True)
+    else:
+        raise AssertionError("no error")
+    pool.close()
+    print("OK closed", flush=True)
+
+
+def hang() -> None:
+    pool = make_pool(functools.partial(wrapped, HangingEnv, hang_at=2), timeout=2.0)
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    started = time.monotonic()
+    try:
+        step(pool)
+    except WorkerTimeoutError as error:
+        print(f"OK hang WorkerTimeoutError after {time.monotonic() - started:.2f} s: {error}", flush=True)
+    else:
+        raise AssertionError("no WorkerTimeoutError")
+    started = time.monotonic()
+    pool.close()
+    print(f"OK closed in {time.monotonic() - started:.2f} s", flush=True)
+
+
+def close_exit() -> None:
+    pool = make_pool()
+    pool.reset(seeds=[0, 1, 2, 3])
+    for _ in range(10):
+        step(pool)
+    pool.close()
+    print("OK close_exit", flush=True)
+    time.sleep(0.5)
+    from mpi4py import MPI
+
+    # Only the learner gets here: SPMD worker ranks exited inside the env's construction.
+    print(f"AFTER CLOSE rank {MPI.COMM_WORLD.Get_rank()}", flush=True)
+
+
+def learner_kill() -> None:
+    pool = make_pool()
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def learner_exception() -> None:
+    pool = make_pool()
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    raise RuntimeError("the learner crashed")
+
+
+def wrong_num_workers() -> None:
+    from mpi4py import MPI
+
+    asked = MPI.COMM_WORLD.Get_size()  # one more than there are worker ranks
+    try:
+        EnvPool([CARTPOLE] * 4, backend="mpi", num_workers=asked)
+    except ValueError as error:
+        assert f"pass num_workers={asked - 1}" in str(error), error
+        print(f"OK wrong_num_workers: {error}", flush=True)
+    else:
+        raise AssertionError("no ValueError")
+
+
+SCENARIOS = {
+    "env_exception": env_exception,
+    "worker_death": worker_death,
+    "hang": hang,
+    "close_exit": close_exit,
+    "learner_kill": learner_kill,
+    "learner_exception": learner_exception,
+    "wrong_num_workers": wrong_num_workers,
+}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()

@@ -1,0 +1,204 @@
+"""The MPI backend under real MPI launches: spawn (plain python), MPMD and SPMD (mpiexec).
+
+Each test runs a script of ``tests/mpi_scripts`` in a new session (MPICH's process manager kills
+whole process groups on failures; never pytest's) with a timeout, and reads what rank 0 printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py (pip install -e '.[mpi]')")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "mpi_scripts")
+_BESIDE = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+MPIEXEC = _BESIDE if os.access(_BESIDE, os.X_OK) else shutil.which("mpiexec")
+MODES = ("spawn", "mpmd", "spmd")
+WORKERS = 2
+
+
+def launch(mode: str, script: str, *args: str, timeout: float = 300.0) -> tuple[int, str, float]:
+    """Run ``script`` in launch ``mode`` with 2 worker ranks; returns (exit code, output, seconds)."""
+    path = os.path.join(SCRIPTS, script)
+    python = sys.executable
+    if mode == "spawn":
+        command = [python, path, *args]
+    else:
+        assert MPIEXEC, "mpiexec not found next to the interpreter nor on PATH"
+        if mode == "mpmd":
+            worker = [python, "-m", "clusterenv_core.worker", "mpi"]
+            command = [MPIEXEC, "-print-all-exitcodes", "-n", "1", python, path, *args, ":", "-n", str(WORKERS), *worker]
+        else:
+            command = [MPIEXEC, "-print-all-exitcodes", "-n", str(WORKERS + 1), python, path, *args]
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout:g} s:\n{output}")
+    return process.returncode, output, time.monotonic() - started
+
+
+def worker_pids(output: str) -> list[int]:
+    match = re.search(r"^WORKERS ((?:\d+ ?)+)$", output, re.MULTILINE)
+    assert match, output
+    return [int(pid) for pid in match.group(1).split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def assert_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)], f"worker ranks still running: {pids}"
+
+
+def assert_exit_codes(output: str, codes: str) -> None:
+    """mpiexec -print-all-exitcodes: e.g. ``0,0,0`` (learner first)."""
+    assert re.search(rf"Exit codes: \[[^\]]+\] {re.escape(codes)}\s*$", output, re.MULTILINE), output
+
+
+# -- contract: identical to DummyVecEnv ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("check", ["cartpole", "dict"])
+def test_matches_dummy_vec_env(mode, check):
+    """2000 steps side by side with DummyVecEnv: obs, rewards, dones, infos, reset_infos identical."""
+    code, output, _ = launch(mode, "contract.py", check)
+    assert code == 0 and f"OK {check}" in output, output
+    if mode != "spawn":
+        assert_exit_codes(output, "0,0,0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_ppo_parameters_identical_to_dummy_vec_env(mode):
+    """Seeded SB3 PPO (2048 steps): the same parameters, bit for bit, as with DummyVecEnv."""
+    code, output, _ = launch(mode, "contract.py", "ppo")
+    assert code == 0 and "OK ppo" in output, output
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_env_exception_is_env_error_and_pool_stays_usable(mode):
+    code, output, _ = launch(mode, "faults.py", "env_exception")
+    assert code == 0 and "OK env_exception" in output, output
+    if mode != "spawn":
+        assert_exit_codes(output, "0,0,0")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_ends_every_worker_rank_with_code_0(mode):
+    code, output, _ = launch(mode, "faults.py", "close_exit")
+    assert code == 0 and "OK close_exit" in output, output
+    # SPMD worker ranks never run the rest of the script.
+    assert output.count("AFTER CLOSE") == 1 and "AFTER CLOSE rank 0" in output, output
+    if mode == "spawn":
+        assert_gone(worker_pids(output), within=2.0)
+    else:
+        assert_exit_codes(output, "0,0,0")
+
+
+def test_spawned_worker_death_is_worker_lost_error_at_once():
+    """A rank killed by SIGKILL: WorkerLostError (its doorbell closes); the learner lives on and
+    exits 0; MPICH ends the other spawned rank."""
+    code, output, _ = launch("spawn", "faults.py", "worker_death")
+    assert code == 0, output
+    match = re.search(r"OK worker_death WorkerLostError after ([\d.]+) s", output)
+    assert match and float(match.group(1)) < 2.0, output
+    assert "OK closed" in output, output
+    assert_gone(worker_pids(output))
+
+
+@pytest.mark.parametrize("mode", ["mpmd", "spmd"])
+def test_world_worker_death_ends_the_job(mode):
+    """Under mpiexec a dead rank makes MPICH kill the whole job, learner included: bounded, not a hang."""
+    code, output, seconds = launch(mode, "faults.py", "worker_death", timeout=120.0)
+    # The learner may still see WorkerLostError first (the doorbell closes before MPICH acts).
+    assert code != 0 and seconds < 60.0, output
+
+
+def test_spawned_hang_is_timeout_and_close_kills_the_rank():
+    code, output, _ = launch("spawn", "faults.py", "hang")
+    assert code == 0, output
+    match = re.search(r"OK hang WorkerTimeoutError after ([\d.]+) s", output)
+    assert match and 1.9 < float(match.group(1)) < 10.0, output
+    assert "OK closed" in output, output
+    assert_gone(worker_pids(output))
+
+
+@pytest.mark.parametrize("mode", ["mpmd", "spmd"])
+def test_world_hang_is_timeout_then_abort_at_exit(mode):
+    """A stuck world rank cannot be killed alone: WorkerTimeoutError, close() returns, and the learner
+    aborts the job at exit instead of waiting in MPI_Finalize forever."""
+    code, output, seconds = launch(mode, "faults.py", "hang", timeout=120.0)
+    assert "OK hang WorkerTimeoutError" in output and "OK closed" in output, output
+    assert code != 0 and "MPI_Abort" in output, output
+    assert seconds < 60.0
+
+
+def test_spawned_workers_exit_when_the_learner_is_killed():
+    code, output, _ = launch("spawn", "faults.py", "learner_kill")
+    assert code == -signal.SIGKILL, output
+    assert_gone(worker_pids(output))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_learner_exception_closes_the_workers(mode):
+    code, output, _ = launch(mode, "faults.py", "learner_exception")
+    assert code == 1 and "RuntimeError: the learner crashed" in output, output
+    if mode == "spawn":
+        assert_gone(worker_pids(output))
+    else:
+        assert_exit_codes(output, "256,0,0")  # the learner's status 1, then both workers' 0
+
+
+def test_killed_world_learner_ends_the_job():
+    code, output, seconds = launch("spmd", "faults.py", "learner_kill", timeout=120.0)
+    assert code != 0 and seconds < 60.0, output
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["mpmd", "spmd"])
+def test_wrong_num_workers_is_value_error_naming_the_right_one(mode):
+    code, output, _ = launch(mode, "faults.py", "wrong_num_workers")
+    assert code == 0 and "OK wrong_num_workers" in output and "pass num_workers=2" in output, output
+    assert_exit_codes(output, "0,0,0")
+
+
+def test_worker_program_outside_an_mpi_job_says_how_to_launch_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "clusterenv_core.worker", "mpi"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker mpi" in result.stderr
+
+
+def test_importing_clusterenv_does_not_import_mpi4py():
+    code = "import sys, clusterenv_core, clusterenv_sb3; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
