@@ -30,7 +30,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from clusterenv_core import DEFAULT_TIMEOUT, EnvPool, StepResult
+from clusterenv_core import DEFAULT_TIMEOUT, EnvPool, SpaceMismatchError, StepResult
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
@@ -46,6 +46,14 @@ def _like(template: Any, batch: Any) -> Any:
     if isinstance(template, tuple):
         return tuple(_like(sub, item) for sub, item in zip(template, batch))
     return batch
+
+
+def _start_pool(env_fns: Sequence[Callable[[], gym.Env]], **pool_kwargs: Any) -> EnvPool:
+    try:
+        return EnvPool(env_fns, **pool_kwargs)
+    except SpaceMismatchError as error:
+        # SyncVectorEnv reports envs whose spaces differ with a RuntimeError.
+        raise RuntimeError(str(error)) from error
 
 
 class _PoolVectorEnv(gym.vector.VectorEnv):
@@ -80,7 +88,7 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
         :param name: attribute name, looked up through the env's wrappers
         :return: one result per env
         """
-        return tuple(self.pool.call(name, *args, **kwargs))
+        return tuple(self.pool.call(name, args, kwargs))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """Attribute ``name`` of every env (called if callable, as ``SyncVectorEnv`` does).
@@ -187,7 +195,7 @@ if GYMNASIUM_1:
             self.observation_mode = observation_mode
             self.autoreset_mode = AutoresetMode(autoreset_mode)
             self._through_wrappers = True
-            self.pool = EnvPool(
+            self.pool = _start_pool(
                 env_fns,
                 backend=backend,
                 num_workers=num_workers,
@@ -367,7 +375,7 @@ else:
             self.env_fns = env_fns
             self.copy = copy
             self._through_wrappers = False
-            self.pool = EnvPool(
+            self.pool = _start_pool(
                 env_fns,
                 backend=backend,
                 num_workers=num_workers,

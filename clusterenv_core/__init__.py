@@ -4,7 +4,14 @@ No Stable-Baselines3 or CleanRL here; the adapters in ``clusterenv_sb3`` and ``c
 translate this pool into their libraries' vector-env APIs.
 """
 
-from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.errors import (
+    ClusterEnvError,
+    EnvAttributeError,
+    EnvError,
+    SpaceMismatchError,
+    WorkerLostError,
+    WorkerTimeoutError,
+)
 from clusterenv_core.pool import DEFAULT_TIMEOUT, EnvPool, ResetResult, StepResult
 
 __version__ = "0.1.0"
@@ -16,6 +23,7 @@ __all__ = [
     "EnvError",
     "EnvPool",
     "ResetResult",
+    "SpaceMismatchError",
     "StepResult",
     "WorkerLostError",
     "WorkerTimeoutError",

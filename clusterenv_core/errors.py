@@ -63,6 +63,10 @@ class EnvAttributeError(EnvError, AttributeError):
     """
 
 
+class SpaceMismatchError(ValueError):
+    """The envs of one pool do not all have the same observation and action spaces."""
+
+
 class WorkerLostError(ClusterEnvError):
     """A worker process (or MPI rank) died or its connection closed while the learner needed it."""
 

@@ -20,7 +20,14 @@ import cloudpickle
 import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, field_views, fields_nbytes
-from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.errors import (
+    ClusterEnvError,
+    EnvAttributeError,
+    EnvError,
+    SpaceMismatchError,
+    WorkerLostError,
+    WorkerTimeoutError,
+)
 from clusterenv_core.transports import Transport, make_transport
 from clusterenv_core.protocol import AUTORESET_MODES, RESTART_INFO_KEY
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
@@ -195,12 +202,12 @@ class EnvPool:
         self.observation_space, self.action_space = spaces[0]
         for index, (observation_space, action_space) in enumerate(spaces):
             if observation_space != self.observation_space:
-                raise ValueError(
+                raise SpaceMismatchError(
                     f"env {index} has observation space {observation_space}, env 0 has {self.observation_space}: "
                     "all envs of a pool must share their spaces"
                 )
             if action_space != self.action_space:
-                raise ValueError(
+                raise SpaceMismatchError(
                     f"env {index} has action space {action_space}, env 0 has {self.action_space}: "
                     "all envs of a pool must share their spaces"
                 )
@@ -526,12 +533,20 @@ class EnvPool:
     # -- per-env access ---------------------------------------------------------------------------
 
     def call(
-        self, name: str, *args: Any, indices: Iterable[int] | None = None, require_callable: bool = False, **kwargs: Any
+        self,
+        name: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        indices: Iterable[int] | None = None,
+        require_callable: bool = False,
     ) -> list:
-        """Call method ``name`` of each selected env (looked up through its wrappers) and return the
-        results in the order of ``indices``; a non-callable attribute is returned as is unless
-        ``require_callable``."""
-        payload = {"name": name, "args": args, "kwargs": kwargs, "require_callable": require_callable}
+        """Call method ``name`` of each selected env (looked up through its wrappers) with ``args``
+        and ``kwargs`` and return the results in the order of ``indices``; a non-callable attribute
+        is returned as is unless ``require_callable``.
+
+        The env's arguments are explicit parameters, so they may use any names (``indices`` too).
+        """
+        payload = {"name": name, "args": tuple(args), "kwargs": dict(kwargs or {}), "require_callable": require_callable}
         return self._per_worker("call", payload, indices, f"call {name}")
 
     def get_attr(self, name: str, indices: Iterable[int] | None = None) -> list:

@@ -118,7 +118,7 @@ class ClusterVecEnv(VecEnv):
 
     def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any) -> list[Any]:
         return self.pool.call(
-            method_name, *method_args, indices=self._get_indices(indices), require_callable=True, **method_kwargs
+            method_name, method_args, method_kwargs, indices=self._get_indices(indices), require_callable=True
         )
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:

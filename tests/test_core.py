@@ -122,7 +122,7 @@ def test_call_get_set_attr_order_and_indices():
     with EnvPool(env_fns, num_workers=2) as pool:
         pool.set_attr("marker", ["a", "b", "c"], indices=[4, 0, 2])
         assert pool.get_attr("marker", indices=[0, 2, 4]) == ["b", "c", "a"]
-        assert pool.call("has_wrapper_attr", "marker", indices=[-1]) == [True]
+        assert pool.call("has_wrapper_attr", ["marker"], indices=[-1]) == [True]
         assert pool.get_attr("spec", indices=[3])[0].id == "CartPole-v1"
         with pytest.raises(IndexError):
             pool.get_attr("spec", indices=[5])
@@ -131,8 +131,8 @@ def test_call_get_set_attr_order_and_indices():
 def test_workers_import_torch_only_if_env_does():
     env_fns = [functools.partial(SpacesEnv, spaces.Discrete(2), spaces.Discrete(2))] * 2
     with EnvPool(env_fns, num_workers=2) as pool:
-        assert pool.call("has_module", "torch") == [False, False]
-        assert pool.call("has_module", "stable_baselines3") == [False, False]
+        assert pool.call("has_module", ["torch"]) == [False, False]
+        assert pool.call("has_module", kwargs={"name": "stable_baselines3"}) == [False, False]
 
 
 def test_core_imports_without_torch_or_sb3():
