@@ -22,8 +22,8 @@ The mode is chosen when the pool starts (``launch="auto"``, the default):
   - SPMD: ``mpiexec -n W+1 python train.py`` -- every rank runs the script; on a rank above 0,
     constructing the env (``EnvPool``/``ClusterVecEnv``) turns the process into a worker that serves
     rank 0 until it closes the pool, then finalizes MPI and exits with code 0 without running the
-    rest of the script (``os._exit``: no ``finally`` blocks or ``atexit`` handlers of the script run
-    there).
+    rest of the script (it leaves through C ``exit()``: none of the script's ``finally`` blocks or
+    ``atexit`` handlers run there). Code before the env's construction runs on every rank.
 
   So the learner never needs to know which: rank 0 is the learner, other ranks are workers whether
   they run the worker program or the script. ``launch="spawn"`` forces spawning from every rank
@@ -55,25 +55,33 @@ millisecond instead of burning a core (set ``worker_spin=0`` on oversubscribed n
 ``liveness_interval`` a wait also checks that the peer still exists (pids on the same host, and in
 spawn mode MPICH's process manager).
 
-Faults (MPICH 5)
-----------------
+Faults (MPICH 5.0.2, observed)
+------------------------------
 - An env raising on a worker rank: :class:`~clusterenv_core.errors.EnvError` with the remote
   traceback; the pool stays usable and closeable, as with the local backend.
-- A worker rank dying, spawn mode: MPICH's process manager kills the other ranks of that spawn
-  and exits (and by default would SIGKILL the learner's whole process group: ``isolate=True``
-  prevents that). The learner gets :class:`~clusterenv_core.errors.WorkerLostError` within
-  ``liveness_interval`` (0.25 s). The process cannot spawn MPI workers again, and skips
-  ``MPI_Finalize`` at exit (which would crash with the process manager gone).
-- A worker rank dying, world mode (mpiexec or srun): the launcher ends the whole job at once,
-  learner included (hydra SIGKILLs every rank; ``-disable-auto-cleanup`` only adds a SIGUSR1
-  first). There is no :class:`~clusterenv_core.errors.WorkerLostError` to catch: checkpoint.
+- A spawned worker rank dying (SIGKILL, segfault): MPICH's process manager kills the other ranks
+  of that spawn and exits. By default it would also SIGKILL the learner's whole process group
+  (the learner, the shell that started it); ``isolate=True`` (the default) starts the manager in a
+  session of its own, so only its ranks go. The learner gets
+  :class:`~clusterenv_core.errors.WorkerLostError` at once when the rank was on its host (the
+  doorbell closes), else within ``liveness_interval`` (the manager's exit). Afterwards this process
+  cannot spawn MPI workers again and leaves without ``MPI_Finalize`` (which would crash with the
+  manager gone).
+- A world worker rank dying (``mpiexec`` or ``srun``): the launcher ends the whole job, learner
+  included -- hydra SIGKILLs every rank, with or without ``-disable-auto-cleanup`` (which only sends
+  a SIGUSR1 first). The learner may still see a ``WorkerLostError`` (a same-host doorbell closes
+  first) but is killed moments later: checkpoint. This is MPI's fail-stop model.
 - A hanging env: :class:`~clusterenv_core.errors.WorkerTimeoutError` after the pool's ``timeout``.
-  At ``close`` a stuck spawned rank on the learner's host is killed; a stuck world rank cannot be
-  killed without ending the job, so the learner calls ``MPI_Abort`` at exit instead of hanging in
-  ``MPI_Finalize``.
-- The learner dying: its spawned ranks are killed by the process manager when its connection to
-  the learner drops; world ranks are killed by the launcher. Worker ranks on the learner's host also
-  exit by themselves when its pid disappears. A learner that raises closes its pools at exit.
+  At ``close`` a stuck spawned rank on the learner's host is killed (MPICH then ends the rest of
+  that spawn); a stuck world rank cannot be killed alone, so ``close`` returns and the learner calls
+  ``MPI_Abort`` at exit rather than wait in ``MPI_Finalize`` forever.
+- The learner dying: spawned ranks are killed by the process manager when the learner's
+  connection drops; world ranks by the launcher. Worker ranks on the learner's host also leave by
+  themselves when its doorbell closes or its pid disappears. A learner that raises closes its pools
+  at exit (``atexit``), so its ranks exit with code 0.
+- A learner that never creates its pool in an MPMD launch would leave the worker ranks in
+  ``MPI_Init``/the handshake: they give up after ``CLUSTERENV_MPI_CONNECT_TIMEOUT`` seconds (600),
+  which ends the job.
 
 Exit
 ----
