@@ -8,10 +8,32 @@ ranks). Both gymnasium 1.x and gymnasium 0.29 (which CleanRL pins) are supported
 
 from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_cleanrl.vector_env import ClusterVectorEnv
+from clusterenv_cleanrl.rollouts import (
+    DeployableAgent,
+    DeployableQNetwork,
+    Episode,
+    PPOBatch,
+    Transition,
+    WorkerRollouts,
+    add_to_replay_buffer,
+    episodic_returns,
+    ppo_batch,
+    replay_transitions,
+)
 
 __all__ = [
     "ClusterEnvError",
     "ClusterVectorEnv",
+    "DeployableAgent",
+    "DeployableQNetwork",
+    "Episode",
+    "PPOBatch",
+    "Transition",
+    "WorkerRollouts",
+    "add_to_replay_buffer",
+    "episodic_returns",
+    "ppo_batch",
+    "replay_transitions",
     "EnvAttributeError",
     "EnvError",
     "WorkerLostError",

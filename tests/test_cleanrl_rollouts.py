@@ -1,0 +1,277 @@
+"""CleanRL worker-rollout helpers: tensors against a sequential reference, truncation bootstrapping,
+episodic returns, replay transitions and the PolicySync wiring."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from clusterenv_cleanrl import (  # noqa: E402
+    ClusterVectorEnv,
+    DeployableAgent,
+    DeployableQNetwork,
+    WorkerRollouts,
+    add_to_replay_buffer,
+    episodic_returns,
+    ppo_batch,
+    replay_transitions,
+)
+from clusterenv_core import EnvPool  # noqa: E402
+from clusterenv_core.rollout import Rollout  # noqa: E402
+
+GAMMA = 0.9
+
+
+class GreedyAgent(DeployableAgent, torch.nn.Module):
+    """CleanRL's Agent interface with a deterministic (argmax) action, so workers and reference agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = torch.nn.Linear(4, 2)
+        self.critic = torch.nn.Linear(4, 1)
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        logits = self.actor(x)
+        dist = torch.distributions.Categorical(logits=logits)
+        if action is None:
+            action = logits.argmax(-1)
+        return action, dist.log_prob(action), dist.entropy(), self.critic(x)
+
+
+class QNetwork(DeployableQNetwork, torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.network(x)
+
+
+def make_env(max_episode_steps: int = 9) -> gym.Env:
+    """CartPole whose episodes often hit the time limit: truncations and terminations both occur."""
+    return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1", max_episode_steps=max_episode_steps))
+
+
+SEEDS = [5, 6, 7, 8]
+
+
+def _vector_env() -> ClusterVectorEnv:
+    return ClusterVectorEnv(
+        [make_env] * len(SEEDS), autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, num_workers=2
+    )
+
+
+def _reference(agent, n_steps: int, segments: int = 1):
+    """The same steps, one env after the other in this process (same-step autoreset by hand)."""
+    envs = [make_env() for _ in SEEDS]
+    obs = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, SEEDS)])
+    steps = []
+    for _ in range(n_steps * segments):
+        with torch.no_grad():
+            actions = agent.act(torch.as_tensor(obs))["actions"].numpy()
+        step = {"obs": obs.copy(), "actions": actions, "rewards": [], "term": [], "trunc": [], "final": {}, "eps": {}}
+        for i, env in enumerate(envs):
+            o, r, term, trunc, info = env.step(actions[i])
+            step["rewards"].append(r)
+            step["term"].append(term)
+            step["trunc"].append(trunc)
+            if term or trunc:
+                step["final"][i] = o
+                step["eps"][i] = (float(info["episode"]["r"]), int(info["episode"]["l"]))
+                o, _ = env.reset()
+            obs[i] = o
+        steps.append(step)
+    return steps, obs
+
+
+def test_ppo_batch_matches_sequential_reference():
+    torch.manual_seed(0)
+    agent = GreedyAgent()
+    with torch.no_grad():  # mostly push left: episodes end terminated (about 9 steps) or truncated (9)
+        agent.actor.bias.copy_(torch.tensor([2.0, -2.0]))
+    n_steps = 30
+    expected, last_obs = _reference(agent, n_steps, segments=2)
+    with _vector_env() as envs:
+        rollouts = WorkerRollouts(envs, agent, n_steps, seed=SEEDS[0])
+        batches = [rollouts.collect_ppo(GAMMA) for _ in range(2)]
+        rollouts.close()
+    terms = np.array([s["term"] for s in expected])
+    truncs = np.array([s["trunc"] for s in expected])
+    assert (truncs & ~terms).sum() >= 3 and terms.sum() >= 3  # both kinds of episode end are exercised
+
+    prev_done = np.zeros(len(SEEDS), bool)
+    for k, b in enumerate(batches):
+        ref = expected[k * n_steps : (k + 1) * n_steps]
+        obs = torch.as_tensor(np.stack([s["obs"] for s in ref]))
+        assert b.obs.shape == (n_steps, 4, 4) and b.obs.dtype == torch.float32
+        torch.testing.assert_close(b.obs, obs)
+        np.testing.assert_array_equal(b.actions.numpy(), np.stack([s["actions"] for s in ref]))
+        with torch.no_grad():
+            _, logprob, _, value = agent.get_action_and_value(obs, b.actions)
+            torch.testing.assert_close(b.logprobs, logprob)  # the workers' log-probs
+            torch.testing.assert_close(b.values, value.squeeze(-1))  # the learner's critic
+            rewards = torch.tensor([s["rewards"] for s in ref], dtype=torch.float32)
+            for t, s in enumerate(ref):
+                for i, final in s["final"].items():
+                    if s["trunc"][i] and not s["term"][i]:
+                        rewards[t, i] += GAMMA * agent.get_value(torch.as_tensor(final)).item()
+        torch.testing.assert_close(b.rewards, rewards)
+        done = np.array([[te or tr for te, tr in zip(s["term"], s["trunc"])] for s in ref])
+        np.testing.assert_array_equal(b.dones.numpy(), np.concatenate([prev_done[None], done[:-1]]).astype(np.float32))
+        np.testing.assert_array_equal(b.next_done.numpy(), done[-1].astype(np.float32))
+        prev_done = done[-1]
+        following = expected[(k + 1) * n_steps]["obs"] if k == 0 else last_obs
+        np.testing.assert_array_equal(b.next_obs.numpy(), following)
+        # Episodes: RecordEpisodeStatistics' returns, at CleanRL's global step.
+        eps = [
+            (k * n_steps * 4 + (t + 1) * 4, i, *s["eps"][i]) for t, s in enumerate(ref) for i in sorted(s["eps"])
+        ]
+        assert [tuple(e) for e in b.episodes] == eps
+        assert (b.versions == 0).all()
+
+
+def _synthetic_rollout() -> Rollout:
+    """Three steps of two envs with hand-made ends: env 0 truncated at t=0, env 1 terminated and
+    truncated at t=1 (termination wins: no bootstrap), env 0 terminated at t=2."""
+    obs = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)
+    terminated = np.array([[False, False], [False, True], [True, False]])
+    truncated = np.array([[True, False], [False, True], [False, False]])
+    final = {(0, 0): np.full(4, 10.0, np.float32), (1, 1): np.full(4, 20.0, np.float32), (2, 0): np.full(4, 30.0, np.float32)}
+    infos = [{0: {"episode": {"r": np.float64(7.0), "l": np.int32(7)}}}, {1: {"episode": {"r": 3.0, "l": 3}, "x": 1}}, {}]
+    return Rollout(
+        obs=obs,
+        actions=np.array([[0, 1], [1, 1], [0, 0]]),
+        rewards=np.ones((3, 2)),
+        terminated=terminated,
+        truncated=truncated,
+        log_probs=np.full((3, 2), -0.5, np.float32),
+        values=np.zeros((3, 2), np.float32),
+        versions=np.zeros((3, 2), np.int64),
+        last_obs=np.full((2, 4), -1.0, np.float32),
+        infos=infos,
+        reset_infos=[{}, {}, {}],
+        pickled_final_obs=final,
+    )
+
+
+class SumCritic(torch.nn.Module):
+    def get_value(self, x):
+        return x.sum(-1, keepdim=True)
+
+
+def test_truncation_bootstraps_and_termination_does_not():
+    rollout = _synthetic_rollout()
+    b = ppo_batch(rollout, SumCritic(), GAMMA, episode_starts=np.array([True, False]), start_step=100)
+    expected = np.ones((3, 2), np.float32)
+    expected[0, 0] += GAMMA * 40.0  # truncated only: gamma * V(final obs), V = sum = 4 * 10
+    np.testing.assert_allclose(b.rewards.numpy(), expected)
+    np.testing.assert_array_equal(b.dones.numpy(), [[1, 0], [1, 0], [0, 1]])
+    np.testing.assert_array_equal(b.next_done.numpy(), [1, 0])
+    np.testing.assert_allclose(b.values.numpy(), rollout.obs.sum(-1))
+    assert [tuple(e) for e in b.episodes] == [(102, 0, 7.0, 7), (104, 1, 3.0, 3)]
+    assert episodic_returns(rollout) == [(2, 0, 7.0, 7), (4, 1, 3.0, 3)]
+    # The batch is a copy: the rollout's arrays may be reused by the pool.
+    rollout.obs[:] = 0
+    assert b.obs.abs().sum() > 0
+
+
+def test_replay_transitions_use_final_observations():
+    rollout = _synthetic_rollout()
+    steps = replay_transitions(rollout)
+    assert len(steps) == 3
+    np.testing.assert_array_equal(steps[0].next_obs[0], np.full(4, 10.0))  # truncated: its last obs
+    np.testing.assert_array_equal(steps[0].next_obs[1], rollout.obs[1, 1])
+    np.testing.assert_array_equal(steps[1].next_obs[1], np.full(4, 20.0))
+    np.testing.assert_array_equal(steps[2].next_obs[0], np.full(4, 30.0))
+    np.testing.assert_array_equal(steps[2].next_obs[1], rollout.last_obs[1])
+
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    for handle_timeouts in (False, True):
+        rb = ReplayBuffer(10, space, gym.spaces.Discrete(2), device="cpu", n_envs=2, handle_timeout_termination=handle_timeouts)
+        assert add_to_replay_buffer(rb, rollout) == 6
+        np.testing.assert_array_equal(rb.observations[:3], rollout.obs)
+        np.testing.assert_array_equal(rb.next_observations[:3], np.stack([s.next_obs for s in steps]))
+        np.testing.assert_array_equal(rb.actions[:3, :, 0], rollout.actions)
+        # What the TD target multiplies by: 1 - done, with timeouts not counted as done.
+        effective_dones = rb.dones[:3] * (1 - rb.timeouts[:3]) if handle_timeouts else rb.dones[:3]
+        np.testing.assert_array_equal(effective_dones, rollout.terminated.astype(np.float32))
+
+
+def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights():
+    torch.manual_seed(1)
+    for mode, expected_syncs in (("always", 3), ("never", 0)):
+        agent = GreedyAgent()
+        with EnvPool([make_env] * 4, num_workers=2) as pool:
+            rollouts = WorkerRollouts(pool, agent, 8, sync=mode, seed=0)
+            for _ in range(3):
+                b = rollouts.collect_ppo(GAMMA)
+                with torch.no_grad():  # an "update": the policy changes
+                    agent.actor.weight.add_(0.5)
+                rollouts.after_update()
+            b = rollouts.collect_ppo(GAMMA)
+            summary = rollouts.summary()
+            assert summary["updates"] == 3 and summary["syncs"] == expected_syncs
+            assert summary["weight_bytes_sent"] == expected_syncs * pool.weights_nbytes * 2
+            assert (b.versions == expected_syncs).all() and pool.policy_version == expected_syncs
+            with torch.no_grad():
+                acting = agent if mode == "always" else rollouts.sync.deployed
+                np.testing.assert_array_equal(b.actions[0].numpy(), acting.actor(b.obs[0]).argmax(-1).numpy())
+            assert rollouts.global_step == 4 * 8 * 4
+
+
+def test_aaps_wiring_and_overlap_keep_segments_contiguous():
+    torch.manual_seed(2)
+    agent = GreedyAgent()
+    with EnvPool([make_env] * 4, num_workers=2) as pool:
+        rollouts = WorkerRollouts(pool, agent, 10, sync="aaps", threshold=1e-3, overlap=True, seed=0)
+        first = rollouts.collect_ppo(GAMMA)
+        assert rollouts.sync.probe_obs.shape == (40, 4)  # the segment's states are the probe batch
+        assert rollouts.after_update() is False  # no change, no push
+        with torch.no_grad():
+            agent.actor.weight.mul_(-1)
+        assert rollouts.after_update() is True and rollouts.summary()["syncs"] == 1
+        second = rollouts.collect_ppo(GAMMA)  # started ahead, before the push
+        torch.testing.assert_close(second.obs[0], first.next_obs)
+        assert second.dones[0].tolist() == first.next_done.tolist()
+        third = rollouts.collect_ppo(GAMMA)
+        torch.testing.assert_close(third.obs[0], second.next_obs)
+        assert third.versions[-1].tolist() == [1, 1, 1, 1]  # the pushed weights reach the workers
+        rollouts.close()
+        pool.reset()  # nothing pending after close
+
+
+def test_q_network_acts_epsilon_greedy_with_context():
+    torch.manual_seed(3)
+    q = QNetwork()
+    obs = torch.randn(2000, 4)
+    greedy = q(obs).argmax(-1)
+    assert torch.equal(q.act(obs)["actions"], greedy)
+    assert (q.act(obs, epsilon=1.0)["actions"] != greedy).float().mean().item() == pytest.approx(0.5, abs=0.05)
+    assert q.action_dist(obs)[0] == "greedy"
+    with EnvPool([make_env] * 2, num_workers=1) as pool:
+        rollouts = WorkerRollouts(pool, q, 50, sync="aaps", seed=0)
+        greedy_rollout = rollouts.collect(context={"epsilon": 0.0})
+        with torch.no_grad():
+            np.testing.assert_array_equal(greedy_rollout.actions, q(torch.as_tensor(greedy_rollout.obs)).argmax(-1))
+        random_rollout = rollouts.collect(context={"epsilon": 1.0})
+        with torch.no_grad():
+            matches = (random_rollout.actions == q(torch.as_tensor(random_rollout.obs)).argmax(-1).numpy()).mean()
+        assert 0.3 < matches < 0.7
+
+
+def test_rollouts_need_same_step_autoreset():
+    with ClusterVectorEnv([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=1) as envs:
+        with pytest.raises(ValueError, match="SAME_STEP"):
+            WorkerRollouts(envs, GreedyAgent(), 4)
+    with pytest.raises(TypeError, match="ClusterVectorEnv"):
+        WorkerRollouts(gym.vector.SyncVectorEnv([make_env]), GreedyAgent(), 4)
