@@ -184,9 +184,10 @@ class WorkerInferenceMixin:
         self._policy_sync = new
 
     def set_env(self, env: Any, force_reset: bool = True) -> None:
+        # Check what SB3 would make of env (it may add VecTransposeImage) before adopting it.
+        check_cluster_vec_env(self._wrap_env(env, verbose=0), self._algorithm_name())
         self._drain_started()
         super().set_env(env, force_reset)
-        check_cluster_vec_env(self.env, self._algorithm_name())
 
     def _excluded_save_params(self) -> list[str]:
         return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started", "_probe_tails"]
@@ -395,6 +396,8 @@ class DQN(WorkerInferenceMixin, sb3.DQN):
     def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_worker_inference(overlap_collection)
+        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model
+            self._segment_request()  # refuses train_freq in episodes now rather than at learn()
 
     def _acting_policy(self) -> th.nn.Module:
         return self.policy.q_net
