@@ -1,0 +1,191 @@
+"""Steps per second of the MPI backend against the local backend, measured in one run on this machine.
+
+    python benchmarks/mpi_throughput.py [--seconds 3] [--rounds 3] [--json benchmarks/results/mpi_throughput.json]
+
+CartPole-v1, 32 envs on 2 workers, driven through ``EnvPool.step`` with random actions drawn before
+timing. The MPI pool spawns its 2 worker ranks (plain ``python``, no mpiexec needed: MPICH's
+singleton init). Configurations alternate for ``--rounds`` rounds and the median round is reported,
+because the machine is shared and noisy: read the ratio mpi/local within one run.
+
+Reported per configuration:
+
+- ``steps_per_s``: env steps per second (pool steps x 32);
+- ``step_us``: round trip of one pool step (actions out, every worker steps its 16 envs, results
+  back), mean over the timed steps;
+- ``rtt_us``: the same for a pool of 2 envs that do nothing (one per worker): the backend's own
+  round trip;
+- ``cpu_cores``: CPU used by the learner and its workers while stepping, in cores;
+- ``idle_worker_cpu``: CPU used by all workers in one second in which the learner sends nothing
+  (an idle pool; a worker that spins forever would show 1.0 per worker).
+
+``--mpi-options '{"spin": 0}' ...`` adds MPI configurations with other backend options (polling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from clusterenv_core import EnvPool  # noqa: E402
+
+NUM_ENVS = 32
+NUM_WORKERS = 2
+
+
+class NoopEnv(gym.Env):
+    """Returns at once: what remains of a step is the backend's round trip."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(4, np.float32), 0.0, False, False, {}
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of processes (Linux /proc; ticks of 1/100 s)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total / ticks
+
+
+def _worker_pids(pool: EnvPool) -> list[int]:
+    transport = pool._transport
+    if hasattr(transport, "pids"):
+        return list(transport.pids)  # MPI: reported by the ranks at start
+    return [process.pid for process in transport.processes]
+
+
+def measure(backend: str, options: dict, seconds: float) -> dict:
+    started = time.perf_counter()
+    pool = EnvPool.make(
+        "CartPole-v1", num_envs=NUM_ENVS, num_workers=NUM_WORKERS, backend=backend, backend_options=options
+    )
+    construct = time.perf_counter() - started
+    actions = np.random.default_rng(0).integers(0, 2, size=(1024, NUM_ENVS))
+    try:
+        pool.reset(seeds=list(range(NUM_ENVS)))
+        for i in range(50):  # warm-up
+            pool.step(actions[i])
+        pids = [os.getpid(), *_worker_pids(pool)]
+        cpu_before = _cpu_seconds(pids)
+        steps = 0
+        started = time.perf_counter()
+        deadline = started + seconds
+        while time.perf_counter() < deadline:
+            for i in range(32):
+                pool.step(actions[(steps + i) % 1024])
+            steps += 32
+        elapsed = time.perf_counter() - started
+        cpu = _cpu_seconds(pids) - cpu_before
+        workers = pids[1:]
+        idle_before = _cpu_seconds(workers)
+        time.sleep(1.0)
+        idle = _cpu_seconds(workers) - idle_before
+    finally:
+        pool.close()
+    with EnvPool([NoopEnv] * NUM_WORKERS, num_workers=NUM_WORKERS, backend=backend, backend_options=options) as noop:
+        noop.reset()
+        zeros = np.zeros(NUM_WORKERS, dtype=np.int64)
+        for _ in range(200):
+            noop.step(zeros)
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < min(seconds, 1.0):
+            for _ in range(100):
+                noop.step(zeros)
+            count += 100
+        rtt = (time.perf_counter() - started) / count
+    return {
+        "construct_s": construct,
+        "steps_per_s": steps * NUM_ENVS / elapsed,
+        "step_us": elapsed / steps * 1e6,
+        "rtt_us": rtt * 1e6,
+        "cpu_cores": cpu / elapsed,
+        "idle_worker_cpu": idle,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration and round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
+    parser.add_argument("--mpi-options", type=json.loads, nargs="*", default=[], help="extra MPI option sets (JSON)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    configurations = [("local", {}), ("mpi", {})] + [("mpi", options) for options in args.mpi_options]
+    rounds: list[list[dict]] = [[] for _ in configurations]
+    for _ in range(args.rounds):
+        for index, (backend, options) in enumerate(configurations):
+            rounds[index].append(measure(backend, options, args.seconds))
+
+    results = []
+    for (backend, options), measured in zip(configurations, rounds):
+        median = sorted(measured, key=lambda m: m["steps_per_s"])[len(measured) // 2]
+        results.append(
+            {
+                "backend": backend,
+                "options": options,
+                **median,
+                "steps_per_s_rounds": [m["steps_per_s"] for m in measured],
+            }
+        )
+    local = results[0]["steps_per_s"]
+    print(f"CartPole-v1, {NUM_ENVS} envs on {NUM_WORKERS} workers, median of {args.rounds} rounds of {args.seconds:g} s")
+    names = [result["backend"] + (" " + json.dumps(result["options"]) if result["options"] else "") for result in results]
+    width = max(len(name) for name in names)
+    print(
+        f"{'backend':<{width}} {'steps/s':>9} {'x local':>8} {'step us':>8} {'rtt us':>7} {'cores':>6} "
+        f"{'idle cpu':>9} {'start s':>8}"
+    )
+    for name, result in zip(names, results):
+        print(
+            f"{name:<{width}} {result['steps_per_s']:>9.0f} {result['steps_per_s'] / local:>8.2f} "
+            f"{result['step_us']:>8.0f} {result['rtt_us']:>7.0f} {result['cpu_cores']:>6.2f} "
+            f"{result['idle_worker_cpu']:>9.3f} {result['construct_s']:>8.2f}"
+        )
+    spread = [statistics.pstdev(r["steps_per_s_rounds"]) / statistics.mean(r["steps_per_s_rounds"]) for r in results]
+    print(f"round-to-round spread (stdev/mean): {', '.join(f'{s:.0%}' for s in spread)}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as file:
+            json.dump(
+                {
+                    "env": "CartPole-v1",
+                    "num_envs": NUM_ENVS,
+                    "num_workers": NUM_WORKERS,
+                    "seconds": args.seconds,
+                    "rounds": args.rounds,
+                    "cpu_count": os.cpu_count(),
+                    "load_average": os.getloadavg(),
+                    "python": platform.python_version(),
+                    "mpi_ratio_to_local": results[1]["steps_per_s"] / local,
+                    "results": results,
+                },
+                file,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
