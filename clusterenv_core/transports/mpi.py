@@ -59,8 +59,8 @@ Faults (MPICH 5.0.2, observed)
 ------------------------------
 - An env raising on a worker rank: :class:`~clusterenv_core.errors.EnvError` with the remote
   traceback; the pool stays usable and closeable, as with the local backend.
-- A spawned worker rank dying (SIGKILL, segfault): MPICH's process manager kills the other ranks
-  of that spawn and exits. By default it would also SIGKILL the learner's whole process group
+- A spawned worker rank dying (SIGKILL, segfault): MPICH's process manager kills every other
+  spawned rank of the process (all its MPI pools) and exits. By default it would also SIGKILL the learner's whole process group
   (the learner, the shell that started it); ``isolate=True`` (the default) starts the manager in a
   session of its own, so only its ranks go. The learner gets
   :class:`~clusterenv_core.errors.WorkerLostError` at once when the rank was on its host (the
@@ -767,11 +767,14 @@ class MPITransport(Transport):
         self._check_manager()
 
     def _dead(self, worker: int) -> WorkerLostError:
+        why = "died"
         if self.mode == "spawn":
-            _pm_exited()  # MPICH ends the spawned job: later spawns and MPI_Finalize are not possible
+            # MPICH ends the spawned ranks, its process manager exits: no more spawns, no MPI_Finalize.
+            if _pm_exited():
+                why += " (MPICH's process manager ended every spawned rank of this process after a rank died)"
             _State.finalize_unsafe = True
         self.failed.add(worker)
-        return WorkerLostError(f"worker {worker} ({self._describe(worker)}) died")
+        return WorkerLostError(f"worker {worker} ({self._describe(worker)}) {why}")
 
     def _lost_all(self, why: str) -> WorkerLostError:
         self.failed.update(range(self.num_workers))
