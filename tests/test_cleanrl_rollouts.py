@@ -227,6 +227,8 @@ def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights():
                 acting = agent if mode == "always" else rollouts.sync.deployed
                 np.testing.assert_array_equal(b.actions[0].numpy(), acting.actor(b.obs[0]).argmax(-1).numpy())
             assert rollouts.global_step == 4 * 8 * 4
+            # Segments collected after 0, 1, 2, 3 updates: never-synced workers lag 0..3 updates behind.
+            assert summary["mean_update_lag"] == (0.0 if mode == "always" else 1.5)
 
 
 def test_aaps_wiring_and_overlap_keep_segments_contiguous():
