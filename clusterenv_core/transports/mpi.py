@@ -141,6 +141,7 @@ _MIN_NAP = 20e-6
 _RUNG_SPIN = 200e-6  # after a ring, poll this long without sleeping: the message is on its way
 _CLOSED_GRACE = 1.0  # how long messages may trail the close of the sender's doorbell
 _ARRAYS_TIMEOUT = 60.0
+_START_TIMEOUT = 60.0  # at least this long for ranks to start (interpreters, imports): slow is not stuck
 # Environment variables set by process managers for the processes they launch.
 _PM_VARIABLES = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 CONNECT_TIMEOUT_VARIABLE = "CLUSTERENV_MPI_CONNECT_TIMEOUT"
@@ -559,6 +560,7 @@ class MPITransport(Transport):
     # -- start ------------------------------------------------------------------------------------
 
     def start(self, num_workers: int, timeout: float) -> None:
+        timeout = max(timeout, _START_TIMEOUT)
         MPI = _mpi()
         world = MPI.COMM_WORLD
         mode = self.launch
