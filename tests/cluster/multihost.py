@@ -1,0 +1,177 @@
+"""The learner of tests/cluster/netns.sh: rank 0 of an MPMD job whose worker ranks run on other hosts.
+
+    mpiexec -hosts learner,w1,w2 -n 1 python tests/cluster/multihost.py <scenario> [--timeout S] \
+        : -n 2 python -m clusterenv_core.worker mpi
+
+Scenarios (one per job: a world launch serves one pool):
+
+- ``contract``: ClusterVecEnv(backend="mpi") against DummyVecEnv over 2000 steps, exactly equal;
+- ``partition``: steps on while the shell cuts w2's link for 1 s (must be survived), then steps until
+  the lasting cut raises WorkerTimeoutError/WorkerLostError, and closes the pool;
+- ``kill``: steps until the shell has SIGKILLed a worker rank: the launcher ends the job, or (under
+  ``mpiexec -disable-auto-cleanup``) the step raises WorkerTimeoutError and the pool closes.
+
+The shell and the learner meet through files in ``$CLUSTER_SIGNALS``: the learner creates
+``ready-<phase>`` when it is stepping, the shell creates ``blip-over`` after the 1 s cut. Prints
+``OK ...`` lines the shell checks; every loop is bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+
+from clusterenv_core import ClusterEnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
+
+STEPS = 2000
+CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+
+
+def signal_file(name: str) -> str:
+    return os.path.join(os.environ["CLUSTER_SIGNALS"], name)
+
+
+def contract(timeout: float) -> None:
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from clusterenv_sb3 import ClusterVecEnv
+    from tests.compare import assert_same
+
+    env_fns = [CARTPOLE] * 8
+    started = time.monotonic()
+    actual = ClusterVecEnv(env_fns, backend="mpi", num_workers=2, timeout=timeout)
+    expected = DummyVecEnv(env_fns)
+    try:
+        print("HOSTS", *actual.pool._transport.hosts, flush=True)
+        seed = 3
+        expected.seed(seed)
+        actual.seed(seed)
+        assert_same(actual.reset(), expected.reset(), "reset obs")
+        assert_same(actual.reset_infos, expected.reset_infos, "reset_infos")
+        expected.action_space.seed(seed)
+        episodes = 0
+        stepping = time.monotonic()
+        for t in range(STEPS):
+            actions = np.stack([expected.action_space.sample() for _ in range(expected.num_envs)])
+            want = expected.step(actions)
+            got = actual.step(actions)
+            for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
+                assert_same(g, w, f"{name} at step {t}")
+            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
+            episodes += int(want[2].sum())
+        seconds = time.monotonic() - stepping
+        assert episodes > 10, "the run must cover many automatic resets"
+        assert_same(actual.get_attr("spec"), expected.get_attr("spec"), "get_attr")
+    finally:
+        actual.close()
+        expected.close()
+    print(
+        f"OK contract: {STEPS} steps x 8 envs identical, {episodes} episodes, "
+        f"{STEPS / seconds:.0f} steps/s, {time.monotonic() - started:.1f} s in all",
+        flush=True,
+    )
+
+
+def make_pool(timeout: float) -> EnvPool:
+    pool = EnvPool([CARTPOLE] * 4, backend="mpi", num_workers=2, timeout=timeout)
+    print("HOSTS", *pool._transport.hosts, flush=True)
+    pool.reset(seeds=[0, 1, 2, 3])
+    return pool
+
+
+def step(pool: EnvPool) -> None:
+    pool.step(np.zeros(pool.num_envs, dtype=np.int64))
+
+
+def step_until(pool: EnvPool, done, seconds: float) -> tuple[int, float]:
+    """Step until ``done()`` (checked between steps) or ``seconds`` pass; (steps, longest step)."""
+    deadline = time.monotonic() + seconds
+    count, longest = 0, 0.0
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {seconds:g} s")
+        started = time.monotonic()
+        step(pool)
+        longest = max(longest, time.monotonic() - started)
+        count += 1
+        time.sleep(0.002)
+    return count, longest
+
+
+def partition(timeout: float) -> None:
+    pool = make_pool(timeout)
+    for _ in range(50):
+        step(pool)
+    open(signal_file("ready-blip"), "w").close()
+    count, longest = step_until(pool, lambda: os.path.exists(signal_file("blip-over")), 30.0)
+    # Steps go on for a little while after the link is back (TCP retransmits), still fine.
+    for _ in range(200):
+        step(pool)
+    print(f"OK blip survived: {count} steps during the 1 s cut, the longest took {longest:.2f} s", flush=True)
+
+    open(signal_file("ready-cut"), "w").close()
+    deadline = time.monotonic() + timeout + 30.0
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        try:
+            step(pool)
+        except (WorkerTimeoutError, WorkerLostError) as error:
+            waited = time.monotonic() - started
+            print(f"OK partition {type(error).__name__} after {waited:.2f} s (timeout {timeout:g} s): {error}", flush=True)
+            assert waited <= timeout + 2.0, waited
+            break
+        time.sleep(0.002)
+    else:
+        raise AssertionError("no error within the bound")
+    try:
+        step(pool)
+    except ClusterEnvError as error:
+        print(f"OK next call: {type(error).__name__}: {error}", flush=True)
+    started = time.monotonic()
+    pool.close()
+    print(f"OK closed in {time.monotonic() - started:.2f} s", flush=True)
+    print("learner: leaving (the MPI backend aborts the job at exit: a worker rank did not close)", flush=True)
+
+
+def kill(timeout: float) -> None:
+    """Steps until a worker rank is gone. With hydra's default the launcher kills this process first;
+    under ``mpiexec -disable-auto-cleanup`` the step waiting for the dead rank times out."""
+    pool = make_pool(timeout)
+    for _ in range(50):
+        step(pool)
+    open(signal_file("ready-kill"), "w").close()
+    deadline = time.monotonic() + timeout + 30.0
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        try:
+            step(pool)
+        except (WorkerTimeoutError, WorkerLostError) as error:
+            waited = time.monotonic() - started
+            print(f"OK kill {type(error).__name__} after {waited:.2f} s (timeout {timeout:g} s): {error}", flush=True)
+            assert waited <= timeout + 2.0, waited
+            break
+        time.sleep(0.002)
+    else:
+        raise AssertionError("no error within the bound")
+    started = time.monotonic()
+    pool.close()
+    print(f"OK closed in {time.monotonic() - started:.2f} s", flush=True)
+
+
+SCENARIOS = {"contract": contract, "partition": partition, "kill": kill}
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--timeout", type=float, default=30.0, help="the pool's timeout, seconds")
+    args = parser.parse_args()
+    SCENARIOS[args.scenario](args.timeout)

@@ -1,0 +1,391 @@
+#!/usr/bin/env bash
+# Several hosts on one machine: a learner host and two worker hosts, each a network namespace (plus
+# a UTS namespace for its hostname), cabled to a bridge in a fourth "switch" namespace on the
+# private 10.77.0.0/24. No address or route is added outside these namespaces, so no packet can
+# leave the machine. MPICH's hydra starts the ranks on the "hosts" through tests/cluster/nsexec.sh
+# (its ssh), and MPI traffic goes over TCP on the veths (UCX_TLS=tcp): the namespaces share
+# /dev/shm, which UCX would otherwise use, so this is forced, and checked with packet counters.
+#
+#   bash tests/cluster/netns.sh [contract] [partition] [kill] [bench]   (default: contract partition kill)
+#
+#   contract   ClusterVecEnv(backend="mpi") == DummyVecEnv over 2000 steps, learner on "learner",
+#              one worker rank on each of "w1" and "w2" (MPMD launch)
+#   partition  a 1 s link cut on w2 is survived; a lasting cut is WorkerTimeoutError within the
+#              pool's timeout; then what the launcher does (bounded), and nothing is left behind
+#   kill       the worker rank on w1 is SIGKILLed mid-run: hydra ends the whole job at once; under
+#              mpiexec -disable-auto-cleanup the learner gets WorkerTimeoutError within the pool's
+#              timeout, closes, and aborts the job at exit
+#   bench      benchmarks/cluster_latency.py with delays of 0, 1 and 5 ms each way on the worker
+#              hosts' links (CLUSTER_DELAYS_MS="0 1 5"; tc netem, or tests/cluster/delayline.py on
+#              kernels without netem), results merged into
+#              benchmarks/results/cluster_latency.json; with --quick: 0 and 5 ms, 1 s per mode, results
+#              to a temporary file (the CI smoke run)
+#
+# Needs root, `ip netns` and veth/bridge support, and mpi4py + MPICH; otherwise prints SKIPPED and
+# exits 0. Cleans up namespaces, veths, hosts files and processes on any exit (trap).
+set -euo pipefail
+LOG_TAG=netns
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+MODES=()
+QUICK=0
+for arg in "$@"; do
+    case "$arg" in
+        contract | partition | kill | bench) MODES+=("$arg") ;;
+        --quick) QUICK=1 ;;
+        *) fail "unknown argument '$arg' (contract, partition, kill, bench, --quick)" ;;
+    esac
+done
+[ ${#MODES[@]} -gt 0 ] || MODES=(contract partition kill)
+
+# -- can this machine do it? ------------------------------------------------------------------------
+
+[ "$(id -u)" = 0 ] || skip "network namespaces need root"
+for tool in ip unshare timeout tc; do
+    command -v "$tool" >/dev/null || skip "'$tool' is not installed"
+done
+need_mpi
+
+PREFIX="ce$$"                       # namespaces: ce<pid>-learner, -w1, -w2, -sw
+HOSTS=(learner w1 w2)
+declare -A ADDRESS=([learner]=10.77.0.1 [w1]=10.77.0.11 [w2]=10.77.0.12)
+SWITCH="$PREFIX-sw"
+WORK="$(mktemp -d /tmp/clusterenv-netns.XXXXXX)"
+ETC_NETNS_MADE=0
+[ -d /etc/netns ] || ETC_NETNS_MADE=1
+JOB_PID=""
+DELAY_PID=""
+export CLUSTER_NS_PREFIX="$PREFIX"
+
+namespaces() { echo "$PREFIX-learner" "$PREFIX-w1" "$PREFIX-w2" "$SWITCH"; }
+
+cleanup() {
+    local status=$?
+    set +e
+    trap - EXIT INT TERM
+    local pid
+    for pid in "$JOB_PID" "$DELAY_PID"; do
+        [ -n "$pid" ] && { kill -KILL "$pid" && wait "$pid"; } 2>/dev/null
+    done
+    local ns pids
+    for ns in $(namespaces); do
+        if [ -e "/run/netns/$ns" ]; then
+            pids="$(ip netns pids "$ns" 2>/dev/null)"
+            [ -z "$pids" ] || kill -KILL $pids 2>/dev/null
+        fi
+    done
+    for ns in $(namespaces); do
+        local tries=0
+        while [ -e "/run/netns/$ns" ] && [ -n "$(ip netns pids "$ns" 2>/dev/null)" ] && [ $tries -lt 50 ]; do
+            sleep 0.1
+            tries=$((tries + 1))
+        done
+        [ -e "/run/netns/$ns" ] && ip netns del "$ns" 2>/dev/null
+        rm -rf "/etc/netns/$ns"
+    done
+    [ "$ETC_NETNS_MADE" = 1 ] && rmdir /etc/netns 2>/dev/null
+    local left
+    left="$(ip netns list 2>/dev/null | grep -c "^$PREFIX-" || true)"
+    if [ "$left" != 0 ]; then
+        echo "FAILED: cleanup left $left namespaces: $(ip netns list | grep "^$PREFIX-")" >&2
+        status=1
+    else
+        log "cleanup: namespaces, veths, hosts files and processes removed"
+    fi
+    rm -rf "$WORK"
+    exit $status
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# -- the network --------------------------------------------------------------------------------------
+
+ip netns add "$SWITCH" 2>"$WORK/err" || skip "cannot create network namespaces here: $(cat "$WORK/err")"
+ip -n "$SWITCH" link add br0 type bridge 2>"$WORK/err" || skip "no bridge support: $(cat "$WORK/err")"
+ip -n "$SWITCH" link set br0 up
+
+# Latency: tc netem where the kernel has it; otherwise (bench only) the worker hosts' cables are TAP
+# pairs joined by tests/cluster/delayline.py, a user-space relay that delays every frame.
+NETEM=0
+if ip netns exec "$SWITCH" tc qdisc add dev br0 root netem delay 1ms 2>/dev/null; then
+    ip netns exec "$SWITCH" tc qdisc del dev br0 root
+    NETEM=1
+fi
+TAPS=0
+[[ " ${MODES[*]} " == *" bench "* ]] && [ "$NETEM" = 0 ] && TAPS=1
+
+# start_delayline <ms>: (re)start the relay of the worker hosts' TAP cables.
+start_delayline() {
+    if [ -n "$DELAY_PID" ]; then
+        kill "$DELAY_PID" 2>/dev/null
+        wait "$DELAY_PID" 2>/dev/null || true
+    fi
+    ip netns exec "$SWITCH" "$PYTHON" "$CLUSTER_DIR/delayline.py" --delay-ms "$1" \
+        "$PREFIX-w1:ce0,$SWITCH:p-w1" "$PREFIX-w2:ce0,$SWITCH:p-w2" >"$WORK/delayline.out" 2>&1 &
+    DELAY_PID=$!
+}
+
+for host in "${HOSTS[@]}"; do
+    ns="$PREFIX-$host"
+    ip netns add "$ns"
+    # Both ends created inside the namespaces: no interface ever appears in the machine's own namespace.
+    if [ "$TAPS" = 1 ] && [ "$host" != learner ]; then
+        ip -n "$ns" tuntap add dev ce0 mode tap 2>"$WORK/err" && ip -n "$SWITCH" tuntap add dev "p-$host" mode tap \
+            || skip "no netem and no TAP devices for a delay line: $(cat "$WORK/err")"
+    else
+        ip -n "$ns" link add ce0 type veth peer name "p-$host" netns "$SWITCH" 2>"$WORK/err" \
+            || skip "no veth support: $(cat "$WORK/err")"
+    fi
+    ip -n "$ns" addr add "${ADDRESS[$host]}/24" dev ce0
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set ce0 up
+    ip -n "$SWITCH" link set "p-$host" master br0 up
+    # Names for `ip netns exec` (it bind-mounts /etc/netns/<ns>/hosts over /etc/hosts).
+    mkdir -p "/etc/netns/$ns"
+    {
+        echo "127.0.0.1 localhost"
+        for other in "${HOSTS[@]}"; do echo "${ADDRESS[$other]} $other"; done
+    } >"/etc/netns/$ns/hosts"
+done
+[ "$TAPS" = 1 ] && start_delayline 0
+# reachable <from> <to>: a TCP connection to a closed port is refused at once when the host is there.
+reachable() {
+    local answer
+    answer="$(ip netns exec "$PREFIX-$1" timeout 2 bash -c "exec 3<>/dev/tcp/$2/9" 2>&1 || true)"
+    [[ "$answer" == *"Connection refused"* ]]
+}
+for host in w1 w2; do
+    wait_for 10 "$host reachable from learner" reachable learner "$host" \
+        || fail "the namespaces' network does not work (learner -> $host)"
+done
+log "hosts up: learner ${ADDRESS[learner]}, w1 ${ADDRESS[w1]}, w2 ${ADDRESS[w2]} (bridge in $SWITCH$([ "$TAPS" = 1 ] && echo "; worker cables: TAP pairs + delayline.py, no netem in this kernel"))"
+
+# MPI between "hosts" over TCP on ce0 only: UCX (MPICH's default netmod here) with its TCP transport
+# (no shared-memory transport: all namespaces share /dev/shm and would silently use it).
+export UCX_TLS=tcp,self UCX_NET_DEVICES=ce0
+export CLUSTERENV_MPI_CONNECT_TIMEOUT=120
+export PYTHONUNBUFFERED=1
+
+counter() { ip netns exec "$PREFIX-$1" cat "/sys/class/net/ce0/statistics/$2"; }
+
+# start_job <seconds> <output file> <learner args...>: mpiexec in the learner's namespace, learner on
+# "learner", one worker rank on w1 and one on w2; runs in the background (JOB_PID).
+start_job() {
+    local seconds=$1 output=$2
+    shift 2
+    timeout -k 5 "$seconds" ip netns exec "$PREFIX-learner" unshare --uts sh -c 'hostname learner && exec "$@"' job \
+        "$MPIEXEC" -launcher ssh -launcher-exec "$CLUSTER_DIR/nsexec.sh" -iface ce0 -print-all-exitcodes \
+        -hosts learner,w1,w2 ${CLUSTER_MPIEXEC_ARGS:-} \
+        -n 1 "$PYTHON" "$@" : -n 2 "$PYTHON" -m clusterenv_core.worker mpi \
+        >"$output" 2>&1 &
+    JOB_PID=$!
+}
+
+wait_job() {  # sets JOB_STATUS
+    JOB_STATUS=0
+    wait "$JOB_PID" || JOB_STATUS=$?
+    JOB_PID=""
+}
+
+# all_exited_0 <file>: mpiexec -print-all-exitcodes said 0 for the learner and both worker ranks
+# (one line per host: "[mpiexec@learner] Exit codes: [learner] 0", "[w1] 0", "[w2] 0").
+all_exited_0() {
+    grep -Eq "Exit codes: \[learner\] 0$" "$1" && grep -Eq "^\[w1\] 0$" "$1" && grep -Eq "^\[w2\] 0$" "$1"
+}
+
+now() { date +%s.%N; }
+since() { awk -v start="$1" -v end="$(now)" 'BEGIN { printf "%.1f", end - start }'; }
+processes() { ip netns pids "$PREFIX-$1" | xargs -r ps -o pid=,args= -p | cut -c1-90 | tr '\n' ';'; }
+no_processes() { [ -z "$(ip netns pids "$PREFIX-$1")" ]; }
+
+show() {  # show <file>: the job's output, indented
+    sed 's/^/    | /' "$1" >&2
+}
+
+# -- scenarios ----------------------------------------------------------------------------------------
+
+run_contract() {
+    log "contract: ClusterVecEnv(backend='mpi') vs DummyVecEnv, 2000 steps, workers on w1 and w2"
+    local out="$WORK/contract.out" before_w1 before_w2 packets_w1 packets_w2 started=$SECONDS
+    before_w1=$(counter w1 rx_packets)
+    before_w2=$(counter w2 rx_packets)
+    start_job 240 "$out" "$CLUSTER_DIR/multihost.py" contract
+    wait_job
+    packets_w1=$(($(counter w1 rx_packets) - before_w1))
+    packets_w2=$(($(counter w2 rx_packets) - before_w2))
+    show "$out"
+    [ "$JOB_STATUS" = 0 ] || fail "contract: mpiexec exited with $JOB_STATUS"
+    grep -q "^OK contract" "$out" || fail "contract: no OK line"
+    grep -q "^HOSTS w1 w2$" "$out" || fail "contract: the workers did not run on w1 and w2"
+    all_exited_0 "$out" || fail "contract: not every rank exited 0"
+    # 2000 steps are at least 2000 step requests into each worker host: proof the veths carried them.
+    log "contract: packets received on w1's link: $packets_w1, on w2's: $packets_w2"
+    [ "$packets_w1" -ge 2000 ] && [ "$packets_w2" -ge 2000 ] \
+        || fail "contract: too few packets on the worker links: MPI did not go over the network"
+    log "contract: OK in $((SECONDS - started)) s"
+}
+
+run_partition() {
+    local timeout_s=5
+    log "partition: cut w2's link for 1 s (survived), then for good (WorkerTimeoutError within ${timeout_s} s)"
+    local out="$WORK/partition.out" signals="$WORK/signals-partition" started=$SECONDS
+    mkdir -p "$signals"
+    CLUSTER_SIGNALS="$signals" start_job 120 "$out" "$CLUSTER_DIR/multihost.py" partition --timeout "$timeout_s"
+    wait_for 90 "the learner stepping (blip)" test -e "$signals/ready-blip" || { show "$out"; fail "partition: no ready-blip"; }
+    ip -n "$PREFIX-w2" link set ce0 down
+    sleep 1
+    ip -n "$PREFIX-w2" link set ce0 up
+    touch "$signals/blip-over"
+    wait_for 60 "the learner stepping (cut)" test -e "$signals/ready-cut" || { show "$out"; fail "partition: no ready-cut"; }
+    ip -n "$PREFIX-w2" link set ce0 down
+    local cut
+    cut=$(now)
+    log "partition: w2 cut off"
+    wait_job
+    log "partition: mpiexec ended $(since "$cut") s after the cut, status $JOB_STATUS"
+    show "$out"
+    grep -q "^OK blip" "$out" || fail "partition: the 1 s cut was not survived"
+    grep -Eq "^OK partition (WorkerTimeoutError|WorkerLostError)" "$out" || fail "partition: no WorkerTimeoutError"
+    grep -q "^OK closed" "$out" || fail "partition: close() did not return"
+    for host in learner w1; do
+        wait_for 10 "processes on $host to end" no_processes "$host" \
+            || fail "partition: still running on $host after the job ended: $(processes "$host")"
+    done
+    # The launcher cannot reach w2's proxy: its processes outlive the job. Heal the partition and see
+    # whether they notice (the closed control connection) and exit by themselves; cleanup kills them if not.
+    log "partition: left running on w2 after the job ended: $(processes w2)"
+    ip -n "$PREFIX-w2" link set ce0 up
+    local healed
+    healed=$(now)
+    if wait_for 60 "w2's orphans to exit after the link is back" no_processes w2; then
+        log "partition: link back up: w2's orphaned proxy and rank exited by themselves after $(since "$healed") s"
+    else
+        log "partition: link back up: w2's orphans still running after 60 s: $(processes w2) (cleanup kills them)"
+    fi
+    log "partition: OK in $((SECONDS - started)) s"
+}
+
+# kill_rank <variant>: SIGKILL the worker rank on w1 mid-run.
+#   auto:    hydra's default: the launcher ends the whole job at once (learner included)
+#   noclean: mpiexec -disable-auto-cleanup: the job goes on; the learner's step times out
+#            (WorkerTimeoutError within the pool's timeout), close() returns, MPI_Abort at exit
+kill_rank() {
+    local variant=$1 timeout_s=5
+    log "kill ($variant): SIGKILL the worker rank on w1 mid-run"
+    local out="$WORK/kill-$variant.out" signals="$WORK/signals-kill-$variant" started=$SECONDS
+    mkdir -p "$signals"
+    local extra=""
+    [ "$variant" = noclean ] && extra="-disable-auto-cleanup"
+    CLUSTER_SIGNALS="$signals" CLUSTER_MPIEXEC_ARGS="$extra" \
+        start_job 120 "$out" "$CLUSTER_DIR/multihost.py" kill --timeout "$timeout_s"
+    wait_for 90 "the learner stepping" test -e "$signals/ready-kill" || { show "$out"; fail "kill: no ready-kill"; }
+    local victims
+    victims="$(ip netns pids "$PREFIX-w1" | xargs -r ps -o pid=,args= -p | awk '/clusterenv_core.worker/ {print $1}')"
+    [ -n "$victims" ] || fail "kill: no worker rank found on w1"
+    kill -KILL $victims
+    local killed
+    killed=$(now)
+    wait_job
+    log "kill ($variant): mpiexec ended $(since "$killed") s after the kill, status $JOB_STATUS"
+    show "$out"
+    [ "$JOB_STATUS" != 0 ] || fail "kill ($variant): the job exited 0 after losing a rank"
+    if [ "$variant" = auto ]; then
+        grep -q "BAD TERMINATION" "$out" || fail "kill (auto): mpiexec did not report the lost rank"
+        ! grep -q "^OK kill" "$out" || fail "kill (auto): the learner outlived the job?"
+    else
+        grep -Eq "^OK kill WorkerTimeoutError" "$out" || fail "kill (noclean): no WorkerTimeoutError"
+        grep -q "^OK closed" "$out" && grep -q "MPI_Abort" "$out" || fail "kill (noclean): no close and MPI_Abort"
+    fi
+    local host
+    for host in learner w1 w2; do
+        # The launcher ends every rank and proxy itself (the cleanup trap would hide a leak).
+        wait_for 10 "processes on $host to end" no_processes "$host" \
+            || fail "kill ($variant): still running on $host after the job ended: $(processes "$host")"
+    done
+    log "kill ($variant): OK in $((SECONDS - started)) s"
+}
+
+run_kill() {
+    kill_rank auto
+    kill_rank noclean
+}
+
+# delay <ms>: every packet between the learner and a worker host is delayed <ms> one way: netem on
+# both ends of each worker host's link (the worker's ce0 and its switch port), or the delay line.
+delay() {
+    local ms=$1 host
+    if [ "$NETEM" = 0 ]; then
+        start_delayline "$ms"
+        sleep 0.5
+        kill -0 "$DELAY_PID" 2>/dev/null || { cat "$WORK/delayline.out" >&2; return 1; }
+        return 0
+    fi
+    for host in w1 w2; do
+        if [ "$ms" = 0 ]; then
+            ip netns exec "$PREFIX-$host" tc qdisc del dev ce0 root 2>/dev/null || true
+            ip netns exec "$SWITCH" tc qdisc del dev "p-$host" root 2>/dev/null || true
+        else
+            ip netns exec "$PREFIX-$host" tc qdisc replace dev ce0 root netem delay "${ms}ms" \
+                && ip netns exec "$SWITCH" tc qdisc replace dev "p-$host" root netem delay "${ms}ms" \
+                || return 1
+        fi
+    done
+}
+
+# rtt <host>: median time of 7 refused TCP connections learner -> host (one round trip each), ms.
+rtt() {
+    ip netns exec "$PREFIX-learner" "$PYTHON" - "$1" <<'PY'
+import socket, statistics, sys, time
+samples = []
+for _ in range(7):
+    sock = socket.socket()
+    sock.settimeout(2.0)
+    started = time.perf_counter()
+    try:
+        sock.connect((sys.argv[1], 9))
+    except ConnectionRefusedError:
+        samples.append(time.perf_counter() - started)
+    finally:
+        sock.close()
+print(f"{statistics.median(samples) * 1e3:.2f}" if samples else "nan")
+PY
+}
+
+run_bench() {
+    local delays seconds json
+    if [ "$QUICK" = 1 ]; then
+        delays=(0 5) seconds=1 json="$WORK/cluster_latency.json"
+    else
+        delays=(${CLUSTER_DELAYS_MS:-0 1 5}) seconds=3 json="$ROOT/benchmarks/results/cluster_latency.json"
+    fi
+    "$PYTHON" -c "import torch, stable_baselines3" 2>/dev/null || skip "the benchmark needs torch and stable-baselines3"
+    [ "$NETEM" = 1 ] || log "bench: no tc netem in this kernel: delays come from tests/cluster/delayline.py"
+    local ms out measured started=$SECONDS
+    for ms in "${delays[@]}"; do
+        delay "$ms" || fail "bench: could not set a ${ms} ms delay"
+        measured="$(rtt w1)"
+        log "bench: +${ms} ms each way on the worker links, TCP round trip learner -> w1 ${measured} ms"
+        out="$WORK/bench-$ms.out"
+        start_job 240 "$out" "$ROOT/benchmarks/cluster_latency.py" --delay-ms "$ms" --rtt-ms "$measured" \
+            --seconds "$seconds" --json "$json"
+        wait_job
+        show "$out"
+        [ "$JOB_STATUS" = 0 ] && grep -q "^RESULT " "$out" || fail "bench: the ${ms} ms run failed (status $JOB_STATUS)"
+        all_exited_0 "$out" || fail "bench: not every rank exited 0"
+    done
+    delay 0
+    log "bench: results in $json ($((SECONDS - started)) s):"
+    "$PYTHON" - "$json" <<'PY' >&2
+import json, sys
+data = json.load(open(sys.argv[1]))
+print(f"    {'delay':>8} {'rtt ms':>7} {'central steps/s':>16} {'step ms':>8} {'rollout steps/s':>16} {'segment ms':>11} {'ratio':>6}")
+for run in data["runs"]:
+    print(f"    {run['delay_ms']:>6g}ms {run['rtt_ms'] or float('nan'):>7.2f} {run['central_steps_per_s']:>16,} {run['central_step_ms']:>8.2f} "
+          f"{run['rollout_steps_per_s']:>16,} {run['rollout_segment_ms']:>11.1f} {run['ratio']:>6.1f}")
+PY
+}
+
+for mode in "${MODES[@]}"; do
+    "run_$mode"
+done
