@@ -88,7 +88,8 @@ class EnvPool:
     :param env_fns: picklable callables that each build one environment (closures and classes
         from ``__main__`` work: they are serialized with cloudpickle)
     :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
-    :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
+    :param num_workers: number of workers (default: the worker ranks of an MPI launch, else
+        ``min(len(env_fns), os.cpu_count())``)
     :param timeout: seconds any single wait for a worker may last before
         :class:`~clusterenv_core.errors.WorkerTimeoutError`; a worker that dies is reported sooner
     :param autoreset_mode: ``"same_step"``, ``"next_step"`` or ``"disabled"``
@@ -127,18 +128,20 @@ class EnvPool:
         for index, env_fn in enumerate(env_fns):
             if not callable(env_fn):
                 raise TypeError(f"env_fns[{index}] is not callable: {env_fn!r}")
-        if num_workers is None:
-            num_workers = min(num_envs, os.cpu_count() or 1)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
-            raise TypeError(f"num_workers must be an int, got {num_workers!r}")
-        if not 1 <= num_workers <= num_envs:
-            raise ValueError(f"num_workers must be between 1 and num_envs={num_envs}, got {num_workers}")
         if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, (int, np.integer)) or max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+        # Constructing a transport starts nothing; it may know how many workers there are (MPI ranks).
+        transport = make_transport(backend, **(backend_options or {}))
+        if num_workers is None:
+            num_workers = transport.default_num_workers() or min(num_envs, os.cpu_count() or 1)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
+            raise TypeError(f"num_workers must be an int, got {num_workers!r}")
+        if not 1 <= num_workers <= num_envs:
+            raise ValueError(f"num_workers must be between 1 and num_envs={num_envs}, got {num_workers}")
 
         self.num_envs = num_envs
         self.num_workers = int(num_workers)
@@ -155,7 +158,7 @@ class EnvPool:
         # Serialize before anything starts, so an unpicklable factory fails here and names itself.
         pickled_blocks = [_pickle_factories(env_fns, block) for block in self.blocks]
 
-        self._transport: Transport = make_transport(backend, **(backend_options or {}))
+        self._transport: Transport = transport
         self.backend = backend
         self._awaiting: set[int] = set()  # workers whose reply to the last message is still unread
         self._failure: ClusterEnvError | None = None

@@ -30,6 +30,11 @@ class Transport(ABC):
     #: whether workers see the learner's regions directly (else ``send_arrays``/``recv_arrays`` copy them)
     shares_memory: bool = False
 
+    def default_num_workers(self) -> int | None:
+        """How many workers this backend has to offer (e.g. the worker ranks of an MPI launch), or
+        ``None`` to let the pool choose."""
+        return None
+
     @abstractmethod
     def start(self, num_workers: int, timeout: float) -> None:
         """Launch (or attach to) ``num_workers`` workers that wait for their first message."""
