@@ -95,6 +95,11 @@ def _flatten(obs: Any, leading: int) -> Any:
     return obs.reshape(leading, *obs.shape[2:])
 
 
+def _length(obs: Any) -> int:
+    """Length of the first axis of an array or of a dict of arrays."""
+    return (next(iter(obs.values())) if isinstance(obs, dict) else obs).shape[0]
+
+
 def _stack(observations: list) -> Any:
     if isinstance(observations[0], dict):
         return {name: np.stack([np.asarray(obs[name]) for obs in observations]) for name in observations[0]}
@@ -258,11 +263,11 @@ class WorkerInferenceMixin:
     def _observe_probe(self, obs: Any, sync: PolicySync) -> None:
         """Probe states for AAPS: the last ``probe_size`` states (or more) of recent segments."""
         rows_needed = max(1, math.ceil(sync.probe_size / self.n_envs))
-        n_steps = (next(iter(obs.values())) if isinstance(obs, dict) else obs).shape[0]
-        self._probe_tails.append(_copy(_index(obs, slice(max(0, n_steps - rows_needed), n_steps))))
-        rows = lambda tail: (next(iter(tail.values())) if isinstance(tail, dict) else tail).shape[0]  # noqa: E731
-        while len(self._probe_tails) > 1 and sum(map(rows, self._probe_tails)) - rows(self._probe_tails[0]) >= rows_needed:
-            self._probe_tails.popleft()
+        n_steps = _length(obs)
+        tails = self._probe_tails
+        tails.append(_copy(_index(obs, slice(max(0, n_steps - rows_needed), n_steps))))
+        while len(tails) > 1 and sum(map(_length, tails)) - _length(tails[0]) >= rows_needed:
+            tails.popleft()
         tails = list(self._probe_tails)
         if isinstance(tails[0], dict):
             probe = {name: np.concatenate([tail[name] for tail in tails]) for name in tails[0]}

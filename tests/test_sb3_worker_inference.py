@@ -1,0 +1,556 @@
+"""SB3 with worker-side inference: clusterenv_sb3.PPO/DQN fill SB3's buffers as SB3 does, learn, and sync (AAPS)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("stable_baselines3")
+import stable_baselines3 as sb3  # noqa: E402
+import torch as th  # noqa: E402
+from gymnasium import spaces  # noqa: E402
+from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
+from stable_baselines3.common.logger import KVWriter, Logger  # noqa: E402
+from stable_baselines3.common.policies import ActorCriticPolicy  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
+
+import clusterenv_sb3  # noqa: E402
+from clusterenv_sb3 import DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
+from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, make_deployable  # noqa: E402
+from tests.compare import assert_same  # noqa: E402
+
+AAPS_KEYS = {
+    "aaps/syncs",
+    "aaps/weight_bytes_sent",
+    "aaps/divergence",
+    "aaps/updates_since_sync",
+    "aaps/mean_policy_lag",
+    "aaps/max_policy_lag",
+}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One learner thread: reproducible floats, and no thread oversubscription on a shared machine
+    (the workers take the other cores)."""
+    threads = th.get_num_threads()
+    yield
+    th.set_num_threads(threads)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _uniform_from_obs(obs: th.Tensor, width: int) -> th.Tensor:
+    """Pseudo-random numbers in (0, 1) that are an exact function of the observation: the same on
+    the learner and on a worker, whatever the batch (integer arithmetic on the rounded observation)."""
+    flat = obs.reshape(obs.shape[0], -1).float()
+    keys = th.floor(flat * 1000).long()
+    weights = th.arange(1, keys.shape[1] + 1, dtype=th.long) * 7919
+    mixed = (keys * weights).sum(dim=1, keepdim=True)
+    salts = th.arange(width, dtype=th.long) * 104729 + 12345
+    return (((mixed * (2 * th.arange(width) + 1) + salts) % 1009).double() + 0.5).float() / 1009
+
+
+class ObsSeededPolicy(ActorCriticPolicy):
+    """SB3's ActorCriticPolicy whose sampling noise is a function of the observation instead of
+    torch's RNG: stochastic-looking actions (non-trivial log-probs) that the learner and the workers
+    draw identically, so SB3's own collect_rollouts and the worker rollouts can be compared."""
+
+    def forward(self, obs: th.Tensor, deterministic: bool = False):
+        distribution = self.get_distribution(obs)
+        values = self.predict_values(obs)
+        inner = distribution.distribution
+        if isinstance(self.action_space, spaces.Discrete):
+            gumbel = -th.log(-th.log(_uniform_from_obs(obs, int(self.action_space.n))))
+            actions = (inner.logits + gumbel).argmax(dim=1)
+        else:
+            u = _uniform_from_obs(obs, int(np.prod(self.action_space.shape)))
+            actions = inner.mean + inner.stddev * np.sqrt(2.0) * th.erfinv(2 * u - 1)
+        log_prob = distribution.log_prob(actions)
+        return actions.reshape((-1, *self.action_space.shape)), values, log_prob
+
+
+class RecordingCallback(BaseCallback):
+    """Keeps what callbacks see at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = []
+        self.rollout_ends = 0
+
+    def _on_step(self) -> bool:
+        loc = self.locals
+        self.steps.append(
+            {
+                "rewards": np.array(loc["rewards"]),
+                "dones": np.array(loc["dones"]),
+                "infos": [dict(info) for info in loc["infos"]],
+                "new_obs": np.array(loc["new_obs"]),
+                "num_timesteps": self.num_timesteps,
+            }
+        )
+        return True
+
+    def _on_rollout_end(self) -> None:
+        self.rollout_ends += 1
+
+
+class RecordingWriter(KVWriter):
+    """An SB3 logger output that keeps every dump."""
+
+    def __init__(self) -> None:
+        self.dumps: list[dict] = []
+
+    def write(self, key_values, key_excluded, step=0) -> None:
+        self.dumps.append(dict(key_values))
+
+    def close(self) -> None:
+        pass
+
+
+def _recording_logger() -> tuple[Logger, RecordingWriter]:
+    writer = RecordingWriter()
+    return Logger(folder=None, output_formats=[writer]), writer
+
+
+def _cluster_env(env_id: str, n_envs: int = 4, seed: int = 0, num_workers: int = 2, **make_kwargs) -> ClusterVecEnv:
+    return make_vec_env(
+        env_id, n_envs=n_envs, seed=seed, env_kwargs=make_kwargs or None, vec_env_cls=ClusterVecEnv,
+        vec_env_kwargs={"num_workers": num_workers},
+    )
+
+
+def _dummy_env(env_id: str, n_envs: int = 4, seed: int = 0, **make_kwargs) -> DummyVecEnv:
+    return make_vec_env(env_id, n_envs=n_envs, seed=seed, env_kwargs=make_kwargs or None, vec_env_cls=DummyVecEnv)
+
+
+def _first_segments(algorithm, env, segments: int, **kwargs):
+    """Collect ``segments`` times with a train() in between, as learn() does; returns the buffers
+    after each collection and what the callback saw."""
+    model = algorithm(env=env, seed=0, device="cpu", **kwargs)
+    callback = RecordingCallback()
+    total, cb = model._setup_learn(10**6, callback)
+    snapshots = []
+    for index in range(segments):
+        if isinstance(model, sb3.PPO):
+            assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+            buf = model.rollout_buffer
+            snapshots.append(
+                {name: getattr(buf, name).copy() for name in
+                 ("observations", "actions", "rewards", "episode_starts", "values", "log_probs", "returns", "advantages")}
+            )
+        else:
+            rollout = model.collect_rollouts(
+                model.env, callback=cb, train_freq=model.train_freq, replay_buffer=model.replay_buffer,
+                learning_starts=model.learning_starts,
+            )
+            assert rollout.continue_training
+            buf = model.replay_buffer
+            snapshots.append(
+                {name: getattr(buf, name)[: buf.pos].copy() for name in
+                 ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")}
+            )
+        snapshots[-1]["num_timesteps"] = model.num_timesteps
+        snapshots[-1]["last_obs"] = np.array(model._last_obs)
+        if index < segments - 1:
+            np.random.seed(index)  # SB3's DQN draws from numpy's global RNG while acting; ours does not
+            if isinstance(model, sb3.PPO):
+                model.train()
+            else:
+                model.train(gradient_steps=model.gradient_steps, batch_size=model.batch_size)
+    state = {key: value.clone() for key, value in model.policy.state_dict().items()}
+    extra = {"ep_info_buffer": list(model.ep_info_buffer), "callback": callback, "state": state}
+    if isinstance(model, sb3.DQN):
+        extra.update(n_calls=model._n_calls, episode_num=model._episode_num, exploration_rate=model.exploration_rate)
+    else:
+        extra["last_episode_starts"] = model._last_episode_starts.copy()
+    return model, snapshots, extra
+
+
+def _assert_same_collection(ours, reference, float_tol: float = 1e-5) -> None:
+    (_, got, got_extra), (_, want, want_extra) = ours, reference
+    for index, (g, w) in enumerate(zip(got, want)):
+        for name in w:
+            if name in ("values", "log_probs", "returns", "advantages", "rewards"):
+                np.testing.assert_allclose(g[name], w[name], rtol=float_tol, atol=float_tol, err_msg=f"{name} #{index}")
+            else:
+                np.testing.assert_array_equal(g[name], w[name], err_msg=f"{name} #{index}")
+    assert len(got_extra["ep_info_buffer"]) == len(want_extra["ep_info_buffer"]) > 0
+    for g, w in zip(got_extra["ep_info_buffer"], want_extra["ep_info_buffer"]):
+        assert (g["r"], g["l"]) == (w["r"], w["l"])
+    got_steps, want_steps = got_extra["callback"].steps, want_extra["callback"].steps
+    assert len(got_steps) == len(want_steps)
+    for t, (g, w) in enumerate(zip(got_steps, want_steps)):
+        assert_same(g["dones"], w["dones"], f"dones at step {t}")
+        assert_same(g["new_obs"], w["new_obs"], f"new_obs at step {t}")
+        assert_same(g["rewards"], w["rewards"], f"callback rewards at step {t}")
+        assert_same(g["infos"], w["infos"], f"infos at step {t}")
+        assert g["num_timesteps"] == w["num_timesteps"]
+    assert got_extra["callback"].rollout_ends == want_extra["callback"].rollout_ends
+    for key in ("n_calls", "episode_num", "exploration_rate", "last_episode_starts"):
+        if key in want_extra:
+            np.testing.assert_array_equal(got_extra[key], want_extra[key], err_msg=key)
+    for name, value in want_extra["state"].items():
+        th.testing.assert_close(got_extra["state"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# -- the deployable wrappers -----------------------------------------------------------------------
+
+
+def _ppo_policy(action_space: spaces.Space, **kwargs) -> ActorCriticPolicy:
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    return ActorCriticPolicy(observation_space, action_space, lambda _: 3e-4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "action_space, kind",
+    [
+        (spaces.Discrete(3), "categorical"),
+        (spaces.Box(-0.5, 0.5, (2,), np.float32), "gaussian"),
+        (spaces.MultiDiscrete([2, 3]), "multicategorical"),
+        (spaces.MultiBinary(3), "bernoulli"),
+    ],
+)
+def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
+    policy = _ppo_policy(action_space)
+    wrapper = ActorCriticDeployable(policy)
+    obs = th.rand(16, 3) * 2 - 1
+    th.manual_seed(5)
+    out = wrapper.act(obs)
+    th.manual_seed(5)
+    with th.no_grad():
+        actions, values, log_probs = policy(obs)
+    th.testing.assert_close(out["actions"], actions)
+    th.testing.assert_close(out["values"], values.flatten())
+    th.testing.assert_close(out["log_probs"], log_probs)
+    if isinstance(action_space, spaces.Box):
+        # Exactly what SB3's collect_rollouts sends to the envs.
+        np.testing.assert_array_equal(out["env_actions"].numpy(), np.clip(actions.numpy(), action_space.low, action_space.high))
+        assert (out["env_actions"] != out["actions"]).any(), "some actions must have been clipped"
+    else:
+        assert "env_actions" not in out
+    dist = wrapper.action_dist(obs)
+    assert dist[0] == kind
+    with th.no_grad():
+        sb3_dist = policy.get_distribution(obs)
+    if kind == "gaussian":
+        th.testing.assert_close(dist[1], sb3_dist.distribution.mean)
+        th.testing.assert_close(dist[2].exp(), sb3_dist.distribution.stddev)
+    elif kind == "multicategorical":
+        assert len(dist[1]) == 2 and dist[1][1].shape == (16, 3)
+    else:
+        th.testing.assert_close(dist[1], sb3_dist.distribution.logits)
+
+
+def test_deployed_copy_has_no_optimizer_and_survives_training_state():
+    policy = _ppo_policy(spaces.Discrete(2))
+    # After a training step SB3's policy caches a distribution holding non-leaf tensors and the
+    # optimizer holds Adam state: neither may be copied or pickled.
+    obs = th.rand(8, 3)
+    _, log_prob, _ = policy.evaluate_actions(obs, th.zeros(8))
+    log_prob.sum().backward()
+    policy.optimizer.step()
+    wrapper = ActorCriticDeployable(policy)
+    copy = wrapper.deployable_copy()
+    assert copy.policy.optimizer is None and policy.optimizer is not None
+    assert copy.policy is not policy and not copy.training
+    for (name, a), b in zip(wrapper.state_dict().items(), copy.state_dict().values()):
+        assert th.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+    payload = cloudpickle.dumps(copy)
+    assert b"exp_avg" not in payload  # no Adam state
+    restored = pickle.loads(payload)
+    th.testing.assert_close(restored.act(obs, deterministic=True)["actions"], policy(obs, deterministic=True)[0])
+
+
+def test_gsde_is_refused_clearly():
+    policy = _ppo_policy(spaces.Box(-1, 1, (2,), np.float32), use_sde=True)
+    with pytest.raises(ValueError, match="gSDE"):
+        ActorCriticDeployable(policy)
+    with pytest.raises(TypeError, match="no worker-side inference wrapper"):
+        make_deployable(th.nn.Linear(2, 2))
+
+
+def test_q_network_wrapper_is_epsilon_greedy_per_env():
+    model = sb3.DQN("MlpPolicy", "CartPole-v1", seed=0, device="cpu", learning_starts=0)
+    wrapper = make_deployable(model.policy)
+    assert isinstance(wrapper, QNetworkDeployable) and wrapper.q_net is model.q_net
+    obs = th.rand(4000, 4) - 0.5
+    greedy = model.q_net(obs).argmax(dim=1)
+    th.testing.assert_close(wrapper.act(obs)["actions"], greedy)
+    th.manual_seed(0)
+    actions = wrapper.act(obs, epsilon=0.5)["actions"]
+    changed = (actions != greedy).float().mean().item()
+    assert 0.2 < changed < 0.3  # half explore, half of those pick the other of 2 actions
+    th.manual_seed(0)
+    th.testing.assert_close(wrapper.act(obs, epsilon=0.5)["actions"], actions)  # torch's RNG
+    uniform = wrapper.act(obs, epsilon=1.0)["actions"]
+    assert 0.45 < uniform.float().mean().item() < 0.55
+    kind, q_values = wrapper.action_dist(obs)
+    assert kind == "greedy"
+    th.testing.assert_close(q_values, model.q_net(obs))
+
+
+# -- same buffers as SB3 -----------------------------------------------------------------------------
+
+
+def test_ppo_rollout_buffer_equals_sb3_collect_rollouts_with_truncation():
+    """Two segments with an update in between: observations, actions, rewards bootstrapped on
+    truncation, episode starts, values, log-probs, returns, advantages, what callbacks see and
+    Monitor's episode stats all equal SB3's own collect_rollouts (same seeds, same policy)."""
+    kwargs = dict(policy=ObsSeededPolicy, n_steps=48, batch_size=96, n_epochs=2)
+    env_kwargs = dict(max_episode_steps=25)
+    reference = _first_segments(sb3.PPO, _dummy_env("CartPole-v1", **env_kwargs), 2, **kwargs)
+    env = _cluster_env("CartPole-v1", **env_kwargs)
+    try:
+        ours = _first_segments(PPO, env, 2, **kwargs)
+        _assert_same_collection(ours, reference)
+        model, segments, _ = ours
+        infos = [info for step in ours[2]["callback"].steps for info in step["infos"]]
+        assert sum(info["TimeLimit.truncated"] for info in infos) >= 4, "the run must truncate episodes"
+        assert any(info.get("episode") for info in infos)
+        log_probs = segments[0]["log_probs"]
+        assert (log_probs < -0.05).mean() > 0.3, "log-probs must be non-trivial"
+        # Truncated steps got gamma * V(terminal obs) on top of their reward.
+        rewards = segments[-1]["rewards"]
+        assert (rewards != 1.0).sum() >= 1
+        assert model.policy_sync.stats.syncs == 1 and env.pool.policy_version == 1
+    finally:
+        env.close()
+
+
+def test_ppo_box_actions_clipped_and_bootstrapped_like_sb3():
+    # One segment: after an update, continuous actions computed on different batch sizes may differ
+    # in the last bit, and the dynamics then drift apart slightly.
+    kwargs = dict(policy=ObsSeededPolicy, n_steps=40, batch_size=60, n_epochs=1, policy_kwargs={"log_std_init": 0.5})
+    env_kwargs = dict(max_episode_steps=30)
+    reference = _first_segments(sb3.PPO, _dummy_env("Pendulum-v1", n_envs=3, **env_kwargs), 1, **kwargs)
+    env = _cluster_env("Pendulum-v1", n_envs=3, **env_kwargs)
+    try:
+        ours = _first_segments(PPO, env, 1, **kwargs)
+        _assert_same_collection(ours, reference)
+        segment = ours[1][0]
+        assert (np.abs(segment["actions"]) > 2.0).any(), "some actions must be outside the bounds (clipped for the env)"
+        steps = ours[2]["callback"].steps
+        assert [step["dones"].sum() for step in steps].count(3) == 1 and steps[29]["dones"].all()  # truncations
+        # The truncated step's reward is the env's reward plus gamma * V(terminal observation).
+        assert not np.allclose(segment["rewards"][29], steps[29]["rewards"])
+    finally:
+        env.close()
+
+
+def test_dqn_replay_buffer_equals_sb3_collect_rollouts():
+    kwargs = dict(
+        policy="MlpPolicy", learning_starts=0, train_freq=6, gradient_steps=2, batch_size=16, target_update_interval=8,
+        exploration_initial_eps=0.0, exploration_final_eps=0.0,
+    )
+    env_kwargs = dict(max_episode_steps=10)
+    reference = _first_segments(sb3.DQN, _dummy_env("CartPole-v1", **env_kwargs), 3, **kwargs)
+    env = _cluster_env("CartPole-v1", **env_kwargs)
+    try:
+        ours = _first_segments(DQN, env, 3, **kwargs)
+        _assert_same_collection(ours, reference)
+        model = ours[0]
+        assert ours[1][-1]["timeouts"].any() and ours[1][-1]["dones"].any()
+        assert model.policy_sync.stats.updates == 2 == model.policy_sync.stats.syncs
+    finally:
+        env.close()
+
+
+# -- learning and syncing --------------------------------------------------------------------------
+
+# Hyperparameters close to rl-zoo's for CartPole-v1. A random policy returns about 20; the trained
+# policies must reach RETURN_BAR (PPO) and DQN_RETURN_BAR (DQN, whose return at a given step swings
+# more: seeds 0-3 gave 144-496 at 35k steps) over 10 deterministic evaluation episodes.
+PPO_KWARGS = dict(
+    n_steps=64, batch_size=128, n_epochs=10, gae_lambda=0.8, gamma=0.98, learning_rate=1e-3, ent_coef=0.0,
+)
+PPO_STEPS = 20_000
+RETURN_BAR = 150
+DQN_STEPS = 35_000
+DQN_RETURN_BAR = 100
+
+
+def _eval_return(model) -> float:
+    mean, _ = evaluate_policy(model, gym.make("CartPole-v1"), n_eval_episodes=10, warn=False)
+    return mean
+
+
+@pytest.mark.slow
+def test_ppo_learns_cartpole_syncing_every_update():
+    env = _cluster_env("CartPole-v1", n_envs=8)
+    logger, writer = _recording_logger()
+    try:
+        model = PPO("MlpPolicy", env, seed=0, device="cpu", **PPO_KWARGS)
+        model.set_logger(logger)
+        model.learn(PPO_STEPS, callback=AAPSCallback(mode="always"))
+        stats = model.policy_sync.stats
+        updates = math.ceil(PPO_STEPS / (64 * 8))
+        assert stats.updates == updates and stats.syncs == stats.updates  # one push per update
+        assert env.pool.policy_version == stats.syncs
+        model_bytes = sum(p.numel() for p in model.policy.parameters()) * 4
+        assert env.pool.weights_nbytes == model_bytes
+        assert stats.weight_bytes_sent == stats.syncs * model_bytes * env.pool.num_workers
+        assert stats.max_policy_lag == 0  # no overlap: every segment acts with the newest weights
+        logged = set().union(*writer.dumps)
+        assert AAPS_KEYS - {"aaps/divergence"} <= logged  # no divergence is measured in "always" mode
+        assert "rollout/ep_rew_mean" in logged  # Monitor's episode stats reach the logger
+        assert _eval_return(model) >= RETURN_BAR
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_ppo_aaps_with_overlap_learns_and_logs():
+    env = _cluster_env("CartPole-v1", n_envs=8)
+    logger, writer = _recording_logger()
+    try:
+        model = PPO("MlpPolicy", env, seed=0, device="cpu", overlap_collection=True, **PPO_KWARGS)
+        model.set_logger(logger)
+        model.learn(PPO_STEPS, callback=AAPSCallback(kl_threshold=0.01, max_staleness=4))
+        stats = model.policy_sync.stats
+        assert 0 < stats.syncs < stats.updates
+        assert stats.updates_since_sync < 4
+        assert stats.weight_bytes_sent == stats.syncs * env.pool.weights_nbytes * env.pool.num_workers
+        assert stats.max_policy_lag >= 1  # overlapped segments act partly with older weights
+        assert model.num_timesteps >= PPO_STEPS and model._started is None
+        logged = [dump for dump in writer.dumps if "aaps/syncs" in dump]
+        assert len(logged) >= stats.updates - 1 and AAPS_KEYS <= set(logged[-1])
+        assert logged[-1]["aaps/weight_bytes_sent"] == logged[-1]["aaps/syncs"] * env.pool.weights_nbytes * 2
+        assert _eval_return(model) >= RETURN_BAR
+    finally:
+        env.close()
+
+
+def test_never_mode_keeps_the_deployed_weights(tmp_path):
+    env = _cluster_env("CartPole-v1", n_envs=4)
+    try:
+        model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=32, batch_size=64, n_epochs=1)
+        initial = model.policy_sync  # None before learning
+        model.learn(32 * 4 * 4, callback=AAPSCallback(mode="never"))
+        stats = model.policy_sync.stats
+        assert initial is None and stats.updates == 4 and stats.syncs == 0 and stats.weight_bytes_sent == 0
+        assert env.pool.policy_version == 0
+        rollout_versions = env.pool.rollout(2).versions
+        assert (rollout_versions == 0).all()
+        deployed = model.policy_sync.deployed.policy.state_dict()
+        assert any(not th.equal(deployed[k], v) for k, v in model.policy.state_dict().items())
+        # Without the callback the next learn() syncs every update again; counters accumulate.
+        model.learn(32 * 4 * 2, reset_num_timesteps=False)
+        assert model.policy_sync.mode == "always" and stats.syncs >= 1 and env.pool.policy_version == stats.syncs
+        # Saving skips the pool-bound state; loading onto a ClusterVecEnv redeploys.
+        model.save(tmp_path / "ppo")
+        loaded = PPO.load(tmp_path / "ppo", env=env, device="cpu")
+        assert loaded.policy_sync is None and loaded.overlap_collection is False
+        loaded.learn(32 * 4)
+        assert env.pool.policy_version == loaded.policy_sync.stats.syncs == 1
+    finally:
+        env.close()
+
+
+class StopAt(BaseCallback):
+    """Stops training at step ``stop`` (returns False), or raises at the start of rollout ``fail``."""
+
+    def __init__(self, stop: int | None = None, fail: int | None = None) -> None:
+        super().__init__()
+        self.stop, self.fail, self.rollouts = stop, fail, 0
+
+    def _on_rollout_start(self) -> None:
+        self.rollouts += 1
+        if self.rollouts == self.fail:
+            raise RuntimeError("injected callback failure")
+
+    def _on_step(self) -> bool:
+        return self.n_calls != self.stop
+
+
+def _env_obs(env: ClusterVecEnv) -> np.ndarray:
+    """Where the envs are now (a zero-step rollout is not possible: take the next segment's first obs)."""
+    return np.array(env.pool.rollout(1).obs[0])
+
+
+def test_stopping_or_failing_mid_learn_leaves_env_and_model_consistent():
+    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=1)
+    try:
+        model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, n_epochs=1, seed=0, device="cpu", overlap_collection=True)
+        # A callback stopping mid-segment: SB3 counts the steps up to there; the model's last
+        # observation is where the envs are (the segment's remaining steps are dropped).
+        model.learn(1000, callback=StopAt(stop=20))
+        assert model.num_timesteps == 20 * 2 and model._started is None
+        np.testing.assert_array_equal(model._last_obs, _env_obs(env))
+        # A failure while a segment is being collected ahead: learn() finishes that segment, so the
+        # pool is not left with a pending rollout, and the model continues from where the envs are.
+        with pytest.raises(RuntimeError, match="injected"):
+            model.learn(1000, callback=StopAt(fail=2))
+        assert model._started is None and model.num_timesteps == 16 * 2
+        np.testing.assert_array_equal(model._last_obs, _env_obs(env))
+        env.reset()  # the pool is usable
+        model.learn(64, reset_num_timesteps=False)
+        assert model.num_timesteps == 16 * 2 + 64
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_dqn_learns_cartpole_with_aaps():
+    env = _cluster_env("CartPole-v1", n_envs=4)
+    logger, writer = _recording_logger()
+    try:
+        model = DQN(
+            "MlpPolicy", env, learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000,
+            gamma=0.99, target_update_interval=10, train_freq=64, gradient_steps=64, exploration_fraction=0.16,
+            exploration_final_eps=0.04, policy_kwargs={"net_arch": [256, 256]}, seed=0, device="cpu",
+        )
+        model.set_logger(logger)
+        model.learn(DQN_STEPS, callback=AAPSCallback(kl_threshold=0.01), log_interval=20)
+        stats = model.policy_sync.stats
+        assert stats.updates > 0 and stats.syncs <= stats.updates
+        assert stats.weight_bytes_sent == stats.syncs * env.pool.weights_nbytes * env.pool.num_workers
+        # Only the online Q-network travels, never the target network or the optimizer.
+        assert env.pool.weights_nbytes == sum(p.numel() for p in model.q_net.parameters()) * 4
+        logged = set().union(*writer.dumps)
+        assert AAPS_KEYS <= logged and "rollout/exploration_rate" in logged and "rollout/ep_rew_mean" in logged
+        assert model.exploration_rate == pytest.approx(0.04)
+        assert _eval_return(model) >= DQN_RETURN_BAR
+    finally:
+        env.close()
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_clear_errors():
+    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=1)
+    try:
+        with pytest.raises(ValueError, match="VecNormalize.*bypassed"):
+            PPO("MlpPolicy", VecNormalize(env))
+        with pytest.raises(TypeError, match="needs a clusterenv_sb3.ClusterVecEnv.*DummyVecEnv"):
+            PPO("MlpPolicy", DummyVecEnv([lambda: gym.make("CartPole-v1")]))
+        with pytest.raises(TypeError, match="ClusterVecEnv"):
+            DQN("MlpPolicy", "CartPole-v1")
+        pendulum = _cluster_env("Pendulum-v1", n_envs=1, num_workers=1)
+        with pytest.raises(ValueError, match="gSDE"):
+            PPO("MlpPolicy", pendulum, use_sde=True)
+        pendulum.close()
+        model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, device="cpu")
+        with pytest.raises(ValueError, match="VecNormalize"):
+            model.set_env(VecNormalize(env))
+        with pytest.raises(TypeError, match="AAPSCallback needs"):
+            sb3.PPO("MlpPolicy", env, n_steps=16, batch_size=32, device="cpu").learn(32, callback=AAPSCallback())
+        with pytest.raises(ValueError, match="mode"):
+            AAPSCallback(mode="sometimes")
+        with pytest.raises(NotImplementedError, match="train_freq"):
+            DQN("MlpPolicy", env, train_freq=(1, "episode"), device="cpu")
+        # The pool is still usable after the refusals.
+        model.learn(32)
+        assert model.num_timesteps == 32
+    finally:
+        env.close()
+    assert clusterenv_sb3.PPO is PPO and issubclass(PPO, sb3.PPO) and issubclass(DQN, sb3.DQN)
