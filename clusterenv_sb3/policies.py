@@ -102,6 +102,7 @@ class ActorCriticDeployable(_Deployable):
     def _not_copied(self) -> list:
         return [getattr(self.policy, "optimizer", None), getattr(self.policy.action_dist, "distribution", None)]
 
+    @th.no_grad()
     def act(self, obs: Any, deterministic: bool = False) -> dict[str, th.Tensor]:
         """The policy's ``forward``: ``actions`` (what SB3 stores in its buffer), ``env_actions``
         (Box spaces: what SB3 sends to the envs), ``values`` and ``log_probs``."""
@@ -116,6 +117,7 @@ class ActorCriticDeployable(_Deployable):
                 out["env_actions"] = th.clamp(actions, low, high)
         return {key: value.cpu() for key, value in out.items()}
 
+    @th.no_grad()
     def action_dist(self, obs: Any) -> tuple:
         """``("categorical", logits)``, ``("multicategorical", [logits, ...])``, ``("bernoulli", logits)``
         or ``("gaussian", mean, log_std)`` of the policy at ``obs``."""
@@ -149,6 +151,7 @@ class QNetworkDeployable(_Deployable):
     def acting_module(self) -> th.nn.Module:
         return self.q_net
 
+    @th.no_grad()
     def act(self, obs: Any, epsilon: float = 0.0) -> dict[str, th.Tensor]:
         """Greedy actions, each replaced by a uniformly random one with probability ``epsilon``
         (one draw per env)."""
@@ -160,6 +163,7 @@ class QNetworkDeployable(_Deployable):
             actions = th.where(explore, th.randint(self.n_actions, (n,)), actions)
         return {"actions": actions}
 
+    @th.no_grad()
     def action_dist(self, obs: Any) -> tuple:
         """``("greedy", q_values)``: AAPS measures the fraction of states whose greedy action changed."""
         return ("greedy", self.q_net(_to_device(obs, self.q_net.device)).cpu())
