@@ -9,12 +9,15 @@
 #   bash tests/cluster/netns.sh [contract] [partition] [kill] [bench]   (default: contract partition kill)
 #
 #   contract   ClusterVecEnv(backend="mpi") == DummyVecEnv over 2000 steps, learner on "learner",
-#              one worker rank on each of "w1" and "w2" (MPMD launch)
-#   partition  a 1 s link cut on w2 is survived; a lasting cut is WorkerTimeoutError within the
-#              pool's timeout; then what the launcher does (bounded), and nothing is left behind
-#   kill       the worker rank on w1 is SIGKILLed mid-run: hydra ends the whole job at once; under
-#              mpiexec -disable-auto-cleanup the learner gets WorkerTimeoutError within the pool's
-#              timeout, closes, and aborts the job at exit
+#              one worker rank on each of "w1" and "w2": MPMD launch (mpiexec), then spawn launch
+#              (plain python spawning its ranks on w1 and w2)
+#   partition  a 1 s cut of w2's link is survived; a lasting cut is WorkerTimeoutError within the
+#              pool's timeout and close() returns; then what the launcher does (logged, bounded),
+#              and w2's orphans exit once the link is back (both launches)
+#   kill       the worker rank on w1 is SIGKILLed mid-run: mpiexec ends the whole job at once;
+#              under mpiexec -disable-auto-cleanup the learner gets WorkerTimeoutError within the
+#              pool's timeout, closes, and aborts the job at exit; spawned ranks: WorkerLostError
+#              within 0.25 s and the learner lives on
 #   bench      benchmarks/cluster_latency.py with delays of 0, 1 and 5 ms each way on the worker
 #              hosts' links (CLUSTER_DELAYS_MS="0 1 5"; tc netem, or tests/cluster/delayline.py on
 #              kernels without netem), results merged into
@@ -169,16 +172,24 @@ export PYTHONUNBUFFERED=1
 
 counter() { ip netns exec "$PREFIX-$1" cat "/sys/class/net/ce0/statistics/$2"; }
 
-# start_job <seconds> <output file> <learner args...>: mpiexec in the learner's namespace, learner on
-# "learner", one worker rank on w1 and one on w2; runs in the background (JOB_PID).
+# start_job <launch> <seconds> <output file> <learner args...>: the learner on "learner", one worker
+# rank on w1 and one on w2, in the background (JOB_PID). Launch "world": mpiexec in the learner's
+# namespace (MPMD); "spawn": the learner alone, spawning its ranks on w1 and w2 (--spawn), MPICH's
+# singleton process manager reaching them through the same "ssh" (HYDRA_LAUNCHER_EXEC).
 start_job() {
-    local seconds=$1 output=$2
-    shift 2
-    timeout -k 5 "$seconds" ip netns exec "$PREFIX-learner" unshare --uts sh -c 'hostname learner && exec "$@"' job \
-        "$MPIEXEC" -launcher ssh -launcher-exec "$CLUSTER_DIR/nsexec.sh" -iface ce0 -print-all-exitcodes \
-        -hosts learner,w1,w2 ${CLUSTER_MPIEXEC_ARGS:-} \
-        -n 1 "$PYTHON" "$@" : -n 2 "$PYTHON" -m clusterenv_core.worker mpi \
-        >"$output" 2>&1 &
+    local launch=$1 seconds=$2 output=$3
+    shift 3
+    if [ "$launch" = world ]; then
+        timeout -k 5 "$seconds" ip netns exec "$PREFIX-learner" unshare --uts sh -c 'hostname learner && exec "$@"' job \
+            "$MPIEXEC" -launcher ssh -launcher-exec "$CLUSTER_DIR/nsexec.sh" -iface ce0 -print-all-exitcodes \
+            -hosts learner,w1,w2 ${CLUSTER_MPIEXEC_ARGS:-} \
+            -n 1 "$PYTHON" "$@" : -n 2 "$PYTHON" -m clusterenv_core.worker mpi \
+            >"$output" 2>&1 &
+    else
+        HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC="$CLUSTER_DIR/nsexec.sh" HYDRA_IFACE=ce0 \
+            timeout -k 5 "$seconds" ip netns exec "$PREFIX-learner" unshare --uts sh -c 'hostname learner && exec "$@"' job \
+            "$PYTHON" "$@" --spawn >"$output" 2>&1 &
+    fi
     JOB_PID=$!
 }
 
@@ -205,33 +216,52 @@ show() {  # show <file>: the job's output, indented
 
 # -- scenarios ----------------------------------------------------------------------------------------
 
-run_contract() {
-    log "contract: ClusterVecEnv(backend='mpi') vs DummyVecEnv, 2000 steps, workers on w1 and w2"
-    local out="$WORK/contract.out" before_w1 before_w2 packets_w1 packets_w2 started=$SECONDS
+contract() {  # contract <world|spawn>
+    local launch=$1
+    log "contract ($launch): ClusterVecEnv(backend='mpi') vs DummyVecEnv, 2000 steps, workers on w1 and w2"
+    local out="$WORK/contract-$launch.out" before_w1 before_w2 packets_w1 packets_w2 started=$SECONDS
     before_w1=$(counter w1 rx_packets)
     before_w2=$(counter w2 rx_packets)
-    start_job 240 "$out" "$CLUSTER_DIR/multihost.py" contract
+    start_job "$launch" 240 "$out" "$CLUSTER_DIR/multihost.py" contract
     wait_job
     packets_w1=$(($(counter w1 rx_packets) - before_w1))
     packets_w2=$(($(counter w2 rx_packets) - before_w2))
     show "$out"
-    [ "$JOB_STATUS" = 0 ] || fail "contract: mpiexec exited with $JOB_STATUS"
-    grep -q "^OK contract" "$out" || fail "contract: no OK line"
-    grep -q "^HOSTS w1 w2$" "$out" || fail "contract: the workers did not run on w1 and w2"
-    all_exited_0 "$out" || fail "contract: not every rank exited 0"
-    # 2000 steps are at least 2000 step requests into each worker host: proof the veths carried them.
-    log "contract: packets received on w1's link: $packets_w1, on w2's: $packets_w2"
+    [ "$JOB_STATUS" = 0 ] || fail "contract ($launch): the learner's job exited with $JOB_STATUS"
+    grep -q "^OK contract" "$out" || fail "contract ($launch): no OK line"
+    grep -q "^HOSTS w1 w2$" "$out" || fail "contract ($launch): the workers did not run on w1 and w2"
+    [ "$launch" = spawn ] || all_exited_0 "$out" || fail "contract ($launch): not every rank exited 0"
+    # 2000 steps are at least 2000 step requests into each worker host: proof the links carried them.
+    log "contract ($launch): packets received on w1's link: $packets_w1, on w2's: $packets_w2"
     [ "$packets_w1" -ge 2000 ] && [ "$packets_w2" -ge 2000 ] \
-        || fail "contract: too few packets on the worker links: MPI did not go over the network"
-    log "contract: OK in $((SECONDS - started)) s"
+        || fail "contract ($launch): too few packets on the worker links: MPI did not go over the network"
+    no_processes_left "contract ($launch)"
+    log "contract ($launch): OK in $((SECONDS - started)) s"
 }
 
-run_partition() {
-    local timeout_s=5
-    log "partition: cut w2's link for 1 s (survived), then for good (WorkerTimeoutError within ${timeout_s} s)"
-    local out="$WORK/partition.out" signals="$WORK/signals-partition" started=$SECONDS
+run_contract() {
+    contract world
+    contract spawn
+}
+
+# no_processes_left <what>: nothing of the job runs on any host (within 10 s).
+no_processes_left() {
+    local host
+    for host in learner w1 w2; do
+        wait_for 10 "processes on $host to end" no_processes "$host" \
+            || fail "$1: still running on $host after the job ended: $(processes "$host")"
+    done
+}
+
+# partition <world|spawn>: cut w2's link for 1 s (must be survived), then for good: the learner's step
+# raises WorkerTimeoutError within the pool's timeout and close() returns. Then what happens to the
+# job (logged), and, once the link is back, whether w2's orphans notice and exit.
+partition() {
+    local launch=$1 timeout_s=5
+    log "partition ($launch): cut w2's link for 1 s (survived), then for good (WorkerTimeoutError within ${timeout_s} s)"
+    local out="$WORK/partition-$launch.out" signals="$WORK/signals-partition-$launch" started=$SECONDS
     mkdir -p "$signals"
-    CLUSTER_SIGNALS="$signals" start_job 120 "$out" "$CLUSTER_DIR/multihost.py" partition --timeout "$timeout_s"
+    CLUSTER_SIGNALS="$signals" start_job "$launch" 120 "$out" "$CLUSTER_DIR/multihost.py" partition --timeout "$timeout_s"
     wait_for 90 "the learner stepping (blip)" test -e "$signals/ready-blip" || { show "$out"; fail "partition: no ready-blip"; }
     ip -n "$PREFIX-w2" link set ce0 down
     sleep 1
@@ -241,74 +271,95 @@ run_partition() {
     ip -n "$PREFIX-w2" link set ce0 down
     local cut
     cut=$(now)
-    log "partition: w2 cut off"
+    log "partition ($launch): w2 cut off"
     wait_job
-    log "partition: mpiexec ended $(since "$cut") s after the cut, status $JOB_STATUS"
+    log "partition ($launch): the learner's job ended $(since "$cut") s after the cut, status $JOB_STATUS"
     show "$out"
-    grep -q "^OK blip" "$out" || fail "partition: the 1 s cut was not survived"
-    grep -Eq "^OK partition (WorkerTimeoutError|WorkerLostError)" "$out" || fail "partition: no WorkerTimeoutError"
-    grep -q "^OK closed" "$out" || fail "partition: close() did not return"
+    [ "$JOB_STATUS" != 124 ] && [ "$JOB_STATUS" != 137 ] || fail "partition ($launch): the learner did not end by itself"
+    grep -q "^OK blip" "$out" || fail "partition ($launch): the 1 s cut was not survived"
+    grep -Eq "^OK partition (WorkerTimeoutError|WorkerLostError)" "$out" || fail "partition ($launch): no WorkerTimeoutError"
+    grep -q "^OK closed" "$out" || fail "partition ($launch): close() did not return"
+    local host
     for host in learner w1; do
         wait_for 10 "processes on $host to end" no_processes "$host" \
-            || fail "partition: still running on $host after the job ended: $(processes "$host")"
+            || log "partition ($launch): still running on $host after the learner ended: $(processes "$host")"
     done
-    # The launcher cannot reach w2's proxy: its processes outlive the job. Heal the partition and see
-    # whether they notice (the closed control connection) and exit by themselves; cleanup kills them if not.
-    log "partition: left running on w2 after the job ended: $(processes w2)"
+    # The launcher cannot reach w2: its processes outlive the job. Heal the partition and see
+    # whether they notice (their closed connections) and exit by themselves; cleanup kills them if not.
+    log "partition ($launch): left running on w2: $(processes w2)"
     ip -n "$PREFIX-w2" link set ce0 up
     local healed
     healed=$(now)
     if wait_for 60 "w2's orphans to exit after the link is back" no_processes w2; then
-        log "partition: link back up: w2's orphaned proxy and rank exited by themselves after $(since "$healed") s"
+        log "partition ($launch): link back up: w2's orphans exited by themselves after $(since "$healed") s"
     else
-        log "partition: link back up: w2's orphans still running after 60 s: $(processes w2) (cleanup kills them)"
+        log "partition ($launch): link back up: w2's orphans still running after 60 s: $(processes w2) (cleanup kills them)"
     fi
-    log "partition: OK in $((SECONDS - started)) s"
+    for host in learner w1 w2; do
+        if ! no_processes "$host"; then
+            log "partition ($launch): killing what is left on $host: $(processes "$host")"
+            ip netns pids "$PREFIX-$host" | xargs -r kill -KILL
+        fi
+    done
+    log "partition ($launch): OK in $((SECONDS - started)) s"
+}
+
+run_partition() {
+    partition world
+    partition spawn
 }
 
 # kill_rank <variant>: SIGKILL the worker rank on w1 mid-run.
-#   auto:    hydra's default: the launcher ends the whole job at once (learner included)
+#   auto:    mpiexec (hydra's default): the launcher ends the whole job at once, learner included
 #   noclean: mpiexec -disable-auto-cleanup: the job goes on; the learner's step times out
 #            (WorkerTimeoutError within the pool's timeout), close() returns, MPI_Abort at exit
+#   spawn:   spawned ranks: MPICH's process manager ends the spawn; WorkerLostError at once
 kill_rank() {
-    local variant=$1 timeout_s=5
+    local variant=$1 timeout_s=5 launch=world
+    [ "$variant" = spawn ] && launch=spawn
     log "kill ($variant): SIGKILL the worker rank on w1 mid-run"
     local out="$WORK/kill-$variant.out" signals="$WORK/signals-kill-$variant" started=$SECONDS
     mkdir -p "$signals"
     local extra=""
     [ "$variant" = noclean ] && extra="-disable-auto-cleanup"
     CLUSTER_SIGNALS="$signals" CLUSTER_MPIEXEC_ARGS="$extra" \
-        start_job 120 "$out" "$CLUSTER_DIR/multihost.py" kill --timeout "$timeout_s"
+        start_job "$launch" 120 "$out" "$CLUSTER_DIR/multihost.py" kill --timeout "$timeout_s"
     wait_for 90 "the learner stepping" test -e "$signals/ready-kill" || { show "$out"; fail "kill: no ready-kill"; }
     local victims
     victims="$(ip netns pids "$PREFIX-w1" | xargs -r ps -o pid=,args= -p | awk '/clusterenv_core.worker/ {print $1}')"
-    [ -n "$victims" ] || fail "kill: no worker rank found on w1"
+    [ -n "$victims" ] || fail "kill ($variant): no worker rank found on w1"
     kill -KILL $victims
     local killed
     killed=$(now)
     wait_job
-    log "kill ($variant): mpiexec ended $(since "$killed") s after the kill, status $JOB_STATUS"
+    log "kill ($variant): the learner's job ended $(since "$killed") s after the kill, status $JOB_STATUS"
     show "$out"
-    [ "$JOB_STATUS" != 0 ] || fail "kill ($variant): the job exited 0 after losing a rank"
-    if [ "$variant" = auto ]; then
+    case "$variant" in
+    auto)
+        [ "$JOB_STATUS" != 0 ] || fail "kill (auto): the job exited 0 after losing a rank"
         grep -q "BAD TERMINATION" "$out" || fail "kill (auto): mpiexec did not report the lost rank"
         ! grep -q "^OK kill" "$out" || fail "kill (auto): the learner outlived the job?"
-    else
+        ;;
+    noclean)
+        [ "$JOB_STATUS" != 0 ] || fail "kill (noclean): the job exited 0 after losing a rank"
         grep -Eq "^OK kill WorkerTimeoutError" "$out" || fail "kill (noclean): no WorkerTimeoutError"
         grep -q "^OK closed" "$out" && grep -q "MPI_Abort" "$out" || fail "kill (noclean): no close and MPI_Abort"
-    fi
-    local host
-    for host in learner w1 w2; do
-        # The launcher ends every rank and proxy itself (the cleanup trap would hide a leak).
-        wait_for 10 "processes on $host to end" no_processes "$host" \
-            || fail "kill ($variant): still running on $host after the job ended: $(processes "$host")"
-    done
+        ;;
+    spawn)
+        [ "$JOB_STATUS" = 0 ] || fail "kill (spawn): the learner exited with $JOB_STATUS"
+        grep -Eq "^OK kill WorkerLostError after [0-1]\." "$out" || fail "kill (spawn): no WorkerLostError within 2 s"
+        grep -q "^OK closed" "$out" || fail "kill (spawn): close() did not return"
+        ;;
+    esac
+    # The launcher ends every rank and proxy itself (the cleanup trap would hide a leak).
+    no_processes_left "kill ($variant)"
     log "kill ($variant): OK in $((SECONDS - started)) s"
 }
 
 run_kill() {
     kill_rank auto
     kill_rank noclean
+    kill_rank spawn
 }
 
 # delay <ms>: every packet between the learner and a worker host is delayed <ms> one way: netem on
@@ -367,7 +418,7 @@ run_bench() {
         measured="$(rtt w1)"
         log "bench: +${ms} ms each way on the worker links, TCP round trip learner -> w1 ${measured} ms"
         out="$WORK/bench-$ms.out"
-        start_job 240 "$out" "$ROOT/benchmarks/cluster_latency.py" --delay-ms "$ms" --rtt-ms "$measured" \
+        start_job world 240 "$out" "$ROOT/benchmarks/cluster_latency.py" --delay-ms "$ms" --rtt-ms "$measured" \
             --seconds "$seconds" --json "$json"
         wait_job
         show "$out"
