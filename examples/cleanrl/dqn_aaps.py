@@ -240,7 +240,7 @@ if __name__ == "__main__":
     print(
         f"trained {total_steps} steps in {train_seconds:.0f} s ({int(total_steps / train_seconds)} SPS); "
         f"syncs {sync['syncs']} of {sync['updates']} updates, {sync['weight_bytes_sent'] / 1e6:.2f} MB of weights, "
-        f"mean policy lag {sync['mean_policy_lag']:.2f}"
+        f"workers {sync['mean_update_lag']:.1f} updates behind on average"
     )
     print(f"mean episodic return of the last {len(recent_returns)} training episodes: {np.mean(recent_returns):.1f}")
     if args.eval_episodes > 0:

@@ -319,7 +319,7 @@ def train(args: Args) -> dict:
     print(
         f"trained {global_step} steps in {train_seconds:.0f} s ({int(global_step / train_seconds)} SPS); "
         f"syncs {sync['syncs']} of {sync['updates']} updates, {sync['weight_bytes_sent'] / 1e6:.2f} MB of weights, "
-        f"mean policy lag {sync['mean_policy_lag']:.2f}"
+        f"workers {sync['mean_update_lag']:.1f} updates behind on average"
     )
     print(f"mean episodic return of the last {len(recent_returns)} training episodes: {final_return:.1f}")
     eval_returns = []
