@@ -17,7 +17,8 @@
 #   kill       the worker rank on w1 is SIGKILLed mid-run: mpiexec ends the whole job at once;
 #              under mpiexec -disable-auto-cleanup the learner gets WorkerTimeoutError within the
 #              pool's timeout, closes, and aborts the job at exit; spawned ranks: WorkerLostError
-#              within 0.25 s and the learner lives on
+#              within 0.25 s and the learner lives on. A SIGKILLed learner: every rank on every
+#              host ends (both launches)
 #   bench      benchmarks/cluster_latency.py with delays of 0, 1 and 5 ms each way on the worker
 #              hosts' links (CLUSTER_DELAYS_MS="0 1 5"; tc netem, or tests/cluster/delayline.py on
 #              kernels without netem), results merged into
@@ -360,6 +361,31 @@ run_kill() {
     kill_rank auto
     kill_rank noclean
     kill_rank spawn
+    kill_learner world
+    kill_learner spawn
+}
+
+# kill_learner <world|spawn>: SIGKILL the learner mid-run: every rank on every host must end (the
+# worker ranks cannot see the learner's pid from another host; the launcher has to end them).
+kill_learner() {
+    local launch=$1
+    log "kill learner ($launch): SIGKILL the learner mid-run"
+    local out="$WORK/kill-learner-$launch.out" signals="$WORK/signals-kill-learner-$launch" started=$SECONDS
+    mkdir -p "$signals"
+    CLUSTER_SIGNALS="$signals" start_job "$launch" 120 "$out" "$CLUSTER_DIR/multihost.py" kill --timeout 5
+    wait_for 90 "the learner stepping" test -e "$signals/ready-kill" || { show "$out"; fail "kill learner: no ready-kill"; }
+    local victims
+    victims="$(ip netns pids "$PREFIX-learner" | xargs -r ps -o pid=,args= -p | awk '/multihost.py kill/ && !/mpiexec|sh -c/ {print $1}')"
+    [ -n "$victims" ] || fail "kill learner ($launch): no learner process found"
+    kill -KILL $victims
+    local killed
+    killed=$(now)
+    wait_job
+    log "kill learner ($launch): the job ended $(since "$killed") s after the kill, status $JOB_STATUS"
+    show "$out"
+    [ "$JOB_STATUS" != 0 ] || fail "kill learner ($launch): status 0"
+    no_processes_left "kill learner ($launch)"
+    log "kill learner ($launch): every rank on every host ended, $(since "$killed") s after the kill"
 }
 
 # delay <ms>: every packet between the learner and a worker host is delayed <ms> one way: netem on
