@@ -115,17 +115,20 @@ class _Segment:
         self.dones = rollout.terminated | rollout.truncated
         # Truncated and not terminated: what ClusterVecEnv reports as TimeLimit.truncated.
         self.timeouts = rollout.truncated & ~rollout.terminated
+        # Python lists: cheaper than numpy arrays to index per env.
+        self._dones, self._timeouts = self.dones.tolist(), self.timeouts.tolist()
 
     def step(self, t: int) -> tuple[np.ndarray, np.ndarray, list[dict]]:
         """``rewards`` (float32, as DummyVecEnv), ``dones`` and ``infos`` of step ``t``, built as
         :meth:`ClusterVecEnv.step_wait` builds them (and its ``reset_infos`` updated likewise)."""
         rollout, env = self.rollout, self.env
         dones = self.dones[t].copy()
+        step_dones, step_timeouts, step_infos = self._dones[t], self._timeouts[t], rollout.infos[t]
         infos = []
         for index in range(env.num_envs):
-            info = dict(rollout.infos[t].get(index, {}))
-            info["TimeLimit.truncated"] = bool(self.timeouts[t, index])
-            if dones[index]:
+            info = dict(step_infos.get(index, {}))
+            info["TimeLimit.truncated"] = step_timeouts[index]
+            if step_dones[index]:
                 info["terminal_observation"] = _copy(rollout.final_observation(t, index))
                 env.reset_infos[index] = rollout.reset_infos[t].get(index, {})
             infos.append(info)
