@@ -14,26 +14,9 @@ from clusterenv_core import ClusterEnvError, EnvError, EnvPool  # noqa: E402
 from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
 from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
 from tests.envs import FailingEnv  # noqa: E402
+from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
 
 D = torch.distributions
-
-
-class LinearPolicy(torch.nn.Module):
-    """A linear policy over CartPole observations, greedy or sampling."""
-
-    def __init__(self, greedy: bool = True) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 2)
-        self.greedy = greedy
-
-    def act(self, obs):
-        logits = self.linear(obs)
-        dist = D.Categorical(logits=logits)
-        actions = logits.argmax(-1) if self.greedy else dist.sample()
-        return {"actions": actions, "log_probs": dist.log_prob(actions), "values": logits.sum(-1)}
-
-    def action_dist(self, obs):
-        return ("categorical", self.linear(obs))
 
 
 def test_divergences_match_closed_forms():
@@ -126,45 +109,17 @@ def test_flatten_and_load_weights_round_trip():
         load_weights(b, np.zeros(3, np.float32))
 
 
-def _reference(policy, seeds, n_steps):
-    """The same rollout, stepped sequentially in this process."""
-    envs = [gym.make("CartPole-v1") for _ in seeds]
-    obs = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)])
-    steps = []
-    for _ in range(n_steps):
-        with torch.no_grad():
-            actions = policy.act(torch.as_tensor(obs))["actions"].numpy()
-        step = {"obs": obs.copy(), "actions": actions, "rewards": [], "done": [], "final": {}}
-        for i, env in enumerate(envs):
-            o, r, term, trunc, _ = env.step(actions[i])
-            step["rewards"].append(r)
-            step["done"].append(term or trunc)
-            if term or trunc:
-                step["final"][i] = o
-                o, _ = env.reset()
-            obs[i] = o
-        steps.append(step)
-    return steps, obs
-
-
 def test_rollout_equals_sequential_reference():
     torch.manual_seed(1)
     policy = LinearPolicy(greedy=True)
     seeds = [10, 11, 12, 13, 14]
-    expected, last_obs = _reference(policy, seeds, 120)
+    expected, last_obs = reference_rollout(policy, seeds, 120)
     with EnvPool.make("CartPole-v1", 5, num_workers=2) as pool:
         pool.reset(seeds=seeds)
         pool.deploy(policy)
         rollout = pool.rollout(120)
         assert rollout.obs.shape == (120, 5, 4) and rollout.actions.shape == (120, 5)
-        for t, step in enumerate(expected):
-            np.testing.assert_array_equal(rollout.obs[t], step["obs"])
-            np.testing.assert_array_equal(rollout.actions[t], step["actions"])
-            assert rollout.rewards[t].tolist() == step["rewards"]
-            assert (rollout.terminated[t] | rollout.truncated[t]).tolist() == step["done"]
-            for i, final in step["final"].items():
-                np.testing.assert_array_equal(rollout.final_observation(t, i), final)
-        np.testing.assert_array_equal(rollout.last_obs, last_obs)
+        assert_rollout_matches(rollout, expected, last_obs)
         assert sum(len(s["final"]) for s in expected) > 5
         with torch.no_grad():
             logits = policy.linear(torch.as_tensor(rollout.obs[7]))

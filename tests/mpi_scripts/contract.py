@@ -77,11 +77,40 @@ def ppo() -> None:
         assert torch.equal(actual[name], expected[name]), name
 
 
+def rollout() -> None:
+    """Worker-side inference over MPI: deploy, rollouts equal to a sequential reference, new weights."""
+    import torch
+
+    from clusterenv_core import EnvPool
+    from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout
+
+    pool = EnvPool.make("CartPole-v1", 5, backend="mpi", num_workers=2)  # first: SPMD worker ranks stop here
+    try:
+        torch.manual_seed(1)
+        policy = LinearPolicy(greedy=True)
+        seeds = [10, 11, 12, 13, 14]
+        pool.reset(seeds=seeds)
+        pool.deploy(policy)
+        expected, last_obs = reference_rollout(policy, seeds, 120)
+        assert_rollout_matches(pool.rollout(120), expected, last_obs)
+        with torch.no_grad():
+            policy.linear.weight.neg_()
+        assert pool.publish_weights(policy) == 1
+        segment = pool.rollout(10)
+        assert (segment.versions == 1).all()
+        with torch.no_grad():
+            greedy = policy.linear(torch.as_tensor(segment.obs[0])).argmax(-1).numpy()
+        np.testing.assert_array_equal(segment.actions[0], greedy)
+    finally:
+        pool.close()
+
+
 CHECKS = {
     "cartpole": lambda: side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8),
     # 5 envs on 2 workers: uneven blocks; Dict observations, Box actions, truncation at 25 steps.
     "dict": lambda: side_by_side([make_dict_env] * 5),
     "ppo": ppo,
+    "rollout": rollout,
 }
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""A small deployable policy and a sequential reference rollout (imports torch; workers unpickle it)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+D = torch.distributions
+
+
+class LinearPolicy(torch.nn.Module):
+    """A linear policy over CartPole observations, greedy or sampling."""
+
+    def __init__(self, greedy: bool = True) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.greedy = greedy
+
+    def act(self, obs):
+        logits = self.linear(obs)
+        dist = D.Categorical(logits=logits)
+        actions = logits.argmax(-1) if self.greedy else dist.sample()
+        return {"actions": actions, "log_probs": dist.log_prob(actions), "values": logits.sum(-1)}
+
+    def action_dist(self, obs):
+        return ("categorical", self.linear(obs))
+
+
+def reference_rollout(policy, seeds, n_steps):
+    """The rollout a pool must collect, stepped sequentially in this process (same_step autoreset)."""
+    envs = [gym.make("CartPole-v1") for _ in seeds]
+    obs = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)])
+    steps = []
+    for _ in range(n_steps):
+        with torch.no_grad():
+            actions = policy.act(torch.as_tensor(obs))["actions"].numpy()
+        step = {"obs": obs.copy(), "actions": actions, "rewards": [], "done": [], "final": {}}
+        for i, env in enumerate(envs):
+            o, r, term, trunc, _ = env.step(actions[i])
+            step["rewards"].append(r)
+            step["done"].append(term or trunc)
+            if term or trunc:
+                step["final"][i] = o
+                o, _ = env.reset()
+            obs[i] = o
+        steps.append(step)
+    return steps, obs
+
+
+def assert_rollout_matches(rollout, expected, last_obs) -> None:
+    """A pool's rollout equals the sequential reference step for step."""
+    for t, step in enumerate(expected):
+        np.testing.assert_array_equal(rollout.obs[t], step["obs"])
+        np.testing.assert_array_equal(rollout.actions[t], step["actions"])
+        assert rollout.rewards[t].tolist() == step["rewards"]
+        assert (rollout.terminated[t] | rollout.truncated[t]).tolist() == step["done"]
+        for i, final in step["final"].items():
+            np.testing.assert_array_equal(rollout.final_observation(t, i), final)
+    np.testing.assert_array_equal(rollout.last_obs, last_obs)
