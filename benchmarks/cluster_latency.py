@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--n-steps", type=int, default=128, help="steps per env in one rollout segment")
     parser.add_argument("--seconds", type=float, default=3.0, help="time per mode")
     parser.add_argument("--json", default=None, help="merge the result into this JSON file")
+    parser.add_argument("--setup", default=None, help="how learner and workers are connected, for the record")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -168,6 +169,8 @@ def merge(path: str, result: dict, args: argparse.Namespace) -> None:
         "policy": "MLP 4-64-64-2 (+value), torch, 1 thread, sampling",
     }
     data["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    if args.setup:
+        data["setup"] = args.setup
     runs = [run for run in data.get("runs", []) if run.get("label") != result["label"]]
     runs.append(result)
     runs.sort(key=lambda run: (run.get("delay_ms") is None, run.get("delay_ms") or 0.0, run["label"]))

@@ -105,6 +105,9 @@ trap 'exit 143' TERM
 
 # -- the network --------------------------------------------------------------------------------------
 
+for ns in $(namespaces); do
+    [ ! -e "/run/netns/$ns" ] || fail "namespace $ns exists already (left by a killed run?): ip netns del $ns"
+done
 ip netns add "$SWITCH" 2>"$WORK/err" || skip "cannot create network namespaces here: $(cat "$WORK/err")"
 ip -n "$SWITCH" link add br0 type bridge 2>"$WORK/err" || skip "no bridge support: $(cat "$WORK/err")"
 ip -n "$SWITCH" link set br0 up
@@ -438,6 +441,10 @@ run_bench() {
     fi
     "$PYTHON" -c "import torch, stable_baselines3" 2>/dev/null || skip "the benchmark needs torch and stable-baselines3"
     [ "$NETEM" = 1 ] || log "bench: no tc netem in this kernel: delays come from tests/cluster/delayline.py"
+    local setup="tests/cluster/netns.sh bench: learner and 2 worker hosts as network namespaces on this machine, \
+MPI over TCP (UCX); delay_ms added each way on the worker hosts' links by \
+$([ "$NETEM" = 1 ] && echo "tc netem" || echo "tests/cluster/delayline.py (TAP cables; no netem in this kernel)"); \
+rtt_ms: median TCP connect round trip learner -> w1"
     local ms out measured started=$SECONDS
     for ms in "${delays[@]}"; do
         delay "$ms" || fail "bench: could not set a ${ms} ms delay"
@@ -445,7 +452,7 @@ run_bench() {
         log "bench: +${ms} ms each way on the worker links, TCP round trip learner -> w1 ${measured} ms"
         out="$WORK/bench-$ms.out"
         start_job world 240 "$out" "$ROOT/benchmarks/cluster_latency.py" --delay-ms "$ms" --rtt-ms "$measured" \
-            --seconds "$seconds" --json "$json"
+            --seconds "$seconds" --json "$json" --setup "$setup"
         wait_job
         show "$out"
         [ "$JOB_STATUS" = 0 ] && grep -q "^RESULT " "$out" || fail "bench: the ${ms} ms run failed (status $JOB_STATUS)"
