@@ -39,6 +39,7 @@ if ! have_slurm; then
             || skip "apt-get could not install slurm-wlm and munge (log: /tmp/clusterenv-apt.log)"
     fi
     have_slurm || skip "slurm-wlm installed but its programs are missing"
+    rm -f /tmp/clusterenv-apt.log
 fi
 log "$(slurmctld -V), $(munged -V 2>&1 | head -1)"
 
