@@ -123,7 +123,7 @@ def partition(timeout: float) -> None:
     # Steps go on for a little while after the link is back (TCP retransmits), still fine.
     for _ in range(200):
         step(pool)
-    print(f"OK blip survived: {count} steps during the 1 s cut, the longest took {longest:.2f} s", flush=True)
+    print(f"OK blip survived: the longest of {count} steps around the 1 s cut took {longest:.2f} s", flush=True)
 
     open(signal_file("ready-cut"), "w").close()
     deadline = time.monotonic() + timeout + 30.0
