@@ -59,6 +59,10 @@ def main() -> None:
     model.learn(total_timesteps=total_timesteps)
     elapsed = time.perf_counter() - started
     print(f"{model.num_timesteps} steps in {elapsed:.1f} s: {model.num_timesteps / elapsed:.0f} env steps/s", flush=True)
+    # Monitor (added by make_vec_env) records every finished episode; SB3 keeps the last 100.
+    returns = [episode["r"] for episode in model.ep_info_buffer]
+    if returns:
+        print(f"final mean return: {sum(returns) / len(returns):.1f} over {len(returns)} episodes", flush=True)
 
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, f"ppo_{env_id}_{os.environ.get('SLURM_JOB_ID', 'local')}")
