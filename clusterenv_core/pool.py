@@ -514,13 +514,13 @@ class EnvPool:
     def _rollout_region(self, n_steps: int) -> RolloutArrays:
         """One of two regions per segment length, alternating, so a segment can be collected while
         the previous one is still being read."""
-        slots = self._rollout_regions.setdefault(n_steps, [])
+        slots = self._rollout_regions.setdefault(n_steps, [])  # the most recently used first
         if len(slots) < 2:
             fields = rollout_fields(self.batch_spec, n_steps)
             handle, memory = self._transport.share_region(fields_nbytes(fields, self.num_envs))
             region = RolloutArrays(field_views(fields, self.num_envs, memory), self._obs_layout, self._act_layout)
             region.handle = handle
-            slots.append(region)
+            slots.insert(0, region)
             return region
         slots.reverse()
         return slots[0]

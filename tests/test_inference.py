@@ -152,6 +152,21 @@ def test_published_weights_reach_workers_and_versions_are_recorded():
         assert (np.diff(overlapped.versions, axis=0) >= 0).all()
 
 
+def test_consecutive_segments_never_share_a_region():
+    """A segment stays intact while the next one is collected (overlap), for many segments."""
+    with EnvPool.make("CartPole-v1", 2, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.deploy(LinearPolicy())
+        previous = pool.rollout(8)
+        kept = previous.obs.copy()
+        for _ in range(5):
+            pool.rollout_async(8)
+            current = pool.rollout_wait()
+            np.testing.assert_array_equal(previous.obs, kept)  # not overwritten by the newer segment
+            np.testing.assert_array_equal(current.obs[0], previous.last_obs)
+            previous, kept = current, current.obs.copy()
+
+
 def test_sampling_rollouts_are_reproducible_with_a_seed():
     def collect():
         torch.manual_seed(3)
