@@ -34,7 +34,7 @@ script already works with::
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -276,26 +276,6 @@ def add_to_replay_buffer(rb: Any, rollout: Rollout) -> int:
     return added
 
 
-def _copy_rollout(rollout: Rollout) -> Rollout:
-    """A rollout whose arrays are copies, independent of the pool's region."""
-    def copy(value: Any) -> Any:
-        return {key: np.array(item) for key, item in value.items()} if isinstance(value, dict) else np.array(value)
-
-    return replace(
-        rollout,
-        obs=copy(rollout.obs),
-        actions=copy(rollout.actions),
-        rewards=np.array(rollout.rewards),
-        terminated=np.array(rollout.terminated),
-        truncated=np.array(rollout.truncated),
-        log_probs=np.array(rollout.log_probs),
-        values=np.array(rollout.values),
-        versions=np.array(rollout.versions),
-        last_obs=copy(rollout.last_obs),
-        _final_obs=[np.array(array) for array in rollout._final_obs],
-    )
-
-
 def _pool_of(envs: Any) -> EnvPool:
     pool = envs if isinstance(envs, EnvPool) else getattr(envs, "pool", None)
     if not isinstance(pool, EnvPool):
@@ -385,10 +365,6 @@ class WorkerRollouts:
         self._started = False
         rollout = pool.rollout_wait(timeout=pool.timeout * self.num_steps)
         if self.overlap:
-            # Workaround: EnvPool hands out the second segment's region again for the third segment
-            # (_rollout_region appends the second region, then reverses), so the segment started
-            # ahead could overwrite this one. A copy is cheap next to collecting it.
-            rollout = _copy_rollout(rollout)
             pool.rollout_async(self.num_steps, context)
             self._started = True
         self.sync.record_rollout(rollout.versions)
