@@ -33,7 +33,6 @@ script already works with::
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -345,11 +344,6 @@ class WorkerRollouts:
         #: done flags after the last collected step (CleanRL's ``next_done``)
         self.next_done = np.zeros(self.num_envs, dtype=bool)
         self._started = False
-        self._probe: deque[np.ndarray] = deque()
-        # Learner updates done when each published version was pushed (index: version), to count how
-        # many updates behind the learner every collected step acted (PolicySync counts versions).
-        self._version_updates = [0]
-        self._update_lag_sum = 0
 
     def collect(self, context: dict | None = None) -> Rollout:
         """The next segment (waiting for it), as a :class:`~clusterenv_core.rollout.Rollout` valid
@@ -368,24 +362,10 @@ class WorkerRollouts:
             pool.rollout_async(self.num_steps, context)
             self._started = True
         self.sync.record_rollout(rollout.versions)
-        self._note_versions()
-        acted_at = np.asarray(self._version_updates)[rollout.versions]
-        self._update_lag_sum += int((self.sync.stats.updates - acted_at).sum())
         if self.sync.mode == "aaps":
-            self._observe_probe(rollout.obs)
+            self.sync.observe(rollout.obs)
         self.global_step += rollout.rewards.size
         return rollout
-
-    def _observe_probe(self, obs: Any) -> None:
-        """AAPS probe states: the latest segment's, with earlier segments' added while it holds fewer
-        than ``probe_size`` (short DQN segments), evenly spaced by :meth:`PolicySync.observe`."""
-        if isinstance(obs, dict):
-            raise TypeError("Dict observations are not supported by WorkerRollouts; flatten them in the env")
-        obs = np.asarray(obs)
-        self._probe.append(obs.reshape(-1, *obs.shape[2:]).copy())
-        while len(self._probe) > 1 and sum(map(len, self._probe)) - len(self._probe[0]) >= self.sync.probe_size:
-            self._probe.popleft()
-        self.sync.observe(np.concatenate(self._probe), leading_dims=1)
 
     def collect_ppo(self, gamma: float) -> PPOBatch:
         """The next segment as CleanRL's PPO tensors (:func:`ppo_batch` with the learner's critic)."""
@@ -405,22 +385,12 @@ class WorkerRollouts:
 
     def after_update(self) -> bool:
         """Call after each learner update: pushes the weights if the sync mode says so; returns whether it did."""
-        pushed = self.sync.after_update()
-        self._note_versions()
-        return pushed
-
-    def _note_versions(self) -> None:
-        """Record the learner's update count for versions published since the last call (also pushes
-        made directly with ``sync.push()``)."""
-        while len(self._version_updates) <= self.pool.policy_version:
-            self._version_updates.append(self.sync.stats.updates)
+        return self.sync.after_update()
 
     def summary(self) -> dict[str, float]:
-        """The sync counters (syncs, weight_bytes_sent, last_divergence, policy lag, ...) and
-        ``mean_update_lag``: how many learner updates behind the learner the collected steps acted
-        (``mean_policy_lag`` counts published versions, which AAPS publishes fewer of)."""
-        steps = self.sync.stats.steps_collected
-        return {**self.sync.summary(), "mean_update_lag": self._update_lag_sum / steps if steps else 0.0}
+        """The sync counters: syncs, weight_bytes_sent, last_divergence, and the policy lag of the
+        collected steps in published versions and in learner updates (``mean_update_lag``)."""
+        return self.sync.summary()
 
     def close(self) -> None:
         """Wait for a segment started ahead (its steps are dropped), so the envs can be closed or reused."""

@@ -17,6 +17,7 @@ A policy reports its distribution with ``action_dist(obs)`` returning one of
 from __future__ import annotations
 
 import copy
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,10 @@ def divergence(deployed_policy: Any, current_policy: Any, probe_obs: Any) -> flo
         return float(per_state_divergence(deployed_policy.action_dist(obs), current_policy.action_dist(obs)).mean())
 
 
+def _length(batch: Any) -> int:
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
+
+
 def _to_tensor(obs: Any):
     import torch
 
@@ -88,11 +93,19 @@ class SyncStats:
     steps_collected: int = 0
     policy_lag_sum: int = 0
     max_policy_lag: int = 0
+    update_lag_sum: int = 0
+    max_update_lag: int = 0
 
     @property
     def mean_policy_lag(self) -> float:
         """Mean number of published versions each collected step lagged behind the learner."""
         return self.policy_lag_sum / self.steps_collected if self.steps_collected else 0.0
+
+    @property
+    def mean_update_lag(self) -> float:
+        """Mean number of learner updates each collected step's weights lagged behind the learner
+        (AAPS publishes fewer versions than there are updates, so this is the staleness that counts)."""
+        return self.update_lag_sum / self.steps_collected if self.steps_collected else 0.0
 
 
 class PolicySync:
@@ -116,6 +129,21 @@ class PolicySync:
         max_staleness: int | None = None,
         probe_size: int = 256,
     ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.configure(mode, threshold, max_staleness, probe_size)
+        self.deployed = copy.deepcopy(policy)
+        self.probe_obs: Any = None
+        self._recent: deque = deque()  # flattened observation batches the probe is drawn from
+        self.stats = SyncStats()
+        # Learner updates done when each published version went out (index: version).
+        self._updates_at_version = [0]
+        self._note_versions()
+
+    def configure(
+        self, mode: str = "aaps", threshold: float = 0.01, max_staleness: int | None = None, probe_size: int = 256
+    ) -> None:
+        """Change the sync policy; the snapshot, the probe batch and the counters carry over."""
         if mode not in SYNC_MODES:
             raise ValueError(f"mode must be one of {SYNC_MODES}, got {mode!r}")
         if not threshold >= 0:
@@ -124,33 +152,55 @@ class PolicySync:
             raise ValueError(f"max_staleness must be >= 1 or None, got {max_staleness!r}")
         if probe_size < 1:
             raise ValueError(f"probe_size must be >= 1, got {probe_size!r}")
-        self.pool = pool
-        self.policy = policy
         self.mode = mode
         self.threshold = float(threshold)
         self.max_staleness = max_staleness
         self.probe_size = probe_size
-        self.deployed = copy.deepcopy(policy)
-        self.probe_obs: Any = None
-        self.stats = SyncStats()
 
     def observe(self, obs: Any, leading_dims: int = 2) -> None:
-        """Take the probe batch from recent observations (e.g. a rollout's ``(n_steps, num_envs, ...)``)."""
-        def flat(array: np.ndarray) -> np.ndarray:
-            array = np.asarray(array)
-            array = array.reshape(-1, *array.shape[leading_dims:])
-            # Evenly spaced states: deterministic, and spread over the whole segment.
-            picks = np.linspace(0, len(array) - 1, min(self.probe_size, len(array))).astype(np.int64)
-            return array[picks].copy()
+        """Add recent observations (e.g. a rollout's ``(n_steps, num_envs, ...)``) to the probe batch.
 
-        self.probe_obs = {key: flat(value) for key, value in obs.items()} if isinstance(obs, dict) else flat(obs)
+        The probe is ``probe_size`` evenly spaced states of the latest batches: the newest alone once
+        it holds that many, older ones added while it holds fewer (short segments, as DQN's).
+        """
+        def flat(array: Any) -> np.ndarray:
+            array = np.asarray(array)
+            return array.reshape(-1, *array.shape[leading_dims:]).copy()
+
+        batch = {key: flat(value) for key, value in obs.items()} if isinstance(obs, dict) else flat(obs)
+        self._recent.append(batch)
+        while len(self._recent) > 1 and sum(map(_length, self._recent)) - _length(self._recent[0]) >= self.probe_size:
+            self._recent.popleft()
+        total = sum(map(_length, self._recent))
+        # Evenly spaced states: deterministic, and spread over the whole window.
+        picks = np.linspace(0, total - 1, min(self.probe_size, total)).astype(np.int64)
+
+        def probe(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts)[picks]
+
+        if isinstance(batch, dict):
+            self.probe_obs = {key: probe([part[key] for part in self._recent]) for key in batch}
+        else:
+            self.probe_obs = probe(list(self._recent))
 
     def record_rollout(self, versions: np.ndarray) -> None:
-        """Account the policy lag of collected steps (``versions`` as a rollout reports them)."""
-        lag = self.pool.policy_version - np.asarray(versions)
-        self.stats.steps_collected += lag.size
-        self.stats.policy_lag_sum += int(lag.sum())
-        self.stats.max_policy_lag = max(self.stats.max_policy_lag, int(lag.max(initial=0)))
+        """Account the policy lag of collected steps (``versions`` as a rollout reports them), in
+        published versions and in learner updates."""
+        self._note_versions()
+        versions = np.asarray(versions)
+        stats = self.stats
+        lag = self.pool.policy_version - versions
+        update_lag = stats.updates - np.asarray(self._updates_at_version)[versions]
+        stats.steps_collected += lag.size
+        stats.policy_lag_sum += int(lag.sum())
+        stats.max_policy_lag = max(stats.max_policy_lag, int(lag.max(initial=0)))
+        stats.update_lag_sum += int(update_lag.sum())
+        stats.max_update_lag = max(stats.max_update_lag, int(update_lag.max(initial=0)))
+
+    def _note_versions(self) -> None:
+        """Record the update count of versions published since (also by ``pool.publish_weights``)."""
+        while len(self._updates_at_version) <= self.pool.policy_version:
+            self._updates_at_version.append(self.stats.updates)
 
     def after_update(self) -> bool:
         """Call after each learner update; publishes the weights if the mode says so. Returns whether it did."""
@@ -172,6 +222,7 @@ class PolicySync:
     def push(self) -> None:
         """Publish the current weights and make them the new snapshot."""
         self.pool.publish_weights(self.policy)
+        self._note_versions()
         self.deployed.load_state_dict(self.policy.state_dict())
         self.stats.syncs += 1
         self.stats.weight_bytes_sent += self.pool.weights_nbytes * self.pool.num_workers
@@ -188,4 +239,6 @@ class PolicySync:
             "updates_since_sync": stats.updates_since_sync,
             "mean_policy_lag": stats.mean_policy_lag,
             "max_policy_lag": stats.max_policy_lag,
+            "mean_update_lag": stats.mean_update_lag,
+            "max_update_lag": stats.max_update_lag,
         }

@@ -165,6 +165,8 @@ class EnvPool:
         self._stepping = False
         self._lost_in_step: dict[int, ClusterEnvError] = {}  # workers to replace before the step completes
         self._weights = None  # published policy weights, once a policy is deployed
+        #: version of the last published weights (0: those deployed; -1: no policy deployed yet)
+        self.policy_version = -1
         self._rollout_pending = None  # the region of a rollout started and not yet waited for
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._transport, self._awaiting)

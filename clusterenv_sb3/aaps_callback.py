@@ -29,7 +29,9 @@ class AAPSCallback(BaseCallback):
     ``aaps/weight_bytes_sent``, ``aaps/divergence`` (``aaps`` mode: the last measured divergence),
     ``aaps/updates``, ``aaps/updates_since_sync``, ``aaps/sync_ratio`` (syncs per update),
     ``aaps/policy_version``, ``aaps/mean_policy_lag`` and ``aaps/max_policy_lag`` (how many
-    published versions the collected steps' weights were behind when the learner received them).
+    published versions the collected steps' weights were behind when the learner received them),
+    ``aaps/mean_update_lag`` and ``aaps/max_update_lag`` (the same in learner updates: the
+    staleness AAPS trades for fewer syncs).
     """
 
     def __init__(
@@ -85,5 +87,7 @@ class AAPSCallback(BaseCallback):
         record("aaps/policy_version", sync.pool.policy_version)
         record("aaps/mean_policy_lag", summary["mean_policy_lag"])
         record("aaps/max_policy_lag", summary["max_policy_lag"])
+        record("aaps/mean_update_lag", summary["mean_update_lag"])
+        record("aaps/max_update_lag", summary["max_update_lag"])
         if self.verbose >= 2:
             print(f"AAPS: {summary}")

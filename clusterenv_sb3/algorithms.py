@@ -24,8 +24,6 @@ Design:
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -95,11 +93,6 @@ def _flatten(obs: Any, leading: int) -> Any:
     return obs.reshape(leading, *obs.shape[2:])
 
 
-def _length(obs: Any) -> int:
-    """Length of the first axis of an array or of a dict of arrays."""
-    return (next(iter(obs.values())) if isinstance(obs, dict) else obs).shape[0]
-
-
 def _stack(observations: list) -> Any:
     if isinstance(observations[0], dict):
         return {name: np.stack([np.asarray(obs[name]) for obs in observations]) for name in observations[0]}
@@ -153,7 +146,6 @@ class WorkerInferenceMixin:
         self._policy_sync = None
         self._deployed_pool = None
         self._started: tuple[int, dict] | None = None  # (n_steps, context) of a segment being collected
-        self._probe_tails: deque = deque()
         if getattr(self, "use_sde", False):
             raise ValueError(
                 "gSDE (use_sde=True) is not supported with worker-side inference: its exploration matrix is "
@@ -185,11 +177,7 @@ class WorkerInferenceMixin:
             self._apply_sync_config()
 
     def _apply_sync_config(self) -> None:
-        """A PolicySync with the current config that keeps the deployed snapshot and the counters."""
-        old = self._policy_sync
-        new = PolicySync(old.pool, old.policy, **self._sync_config)
-        new.deployed, new.stats, new.probe_obs = old.deployed, old.stats, old.probe_obs
-        self._policy_sync = new
+        self._policy_sync.configure(**self._sync_config)
 
     def set_env(self, env: Any, force_reset: bool = True) -> None:
         # Check what SB3 would make of env (it may add VecTransposeImage) before adopting it.
@@ -198,7 +186,7 @@ class WorkerInferenceMixin:
         super().set_env(env, force_reset)
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started", "_probe_tails"]
+        return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started"]
 
     def _setup_learn(self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> tuple[int, BaseCallback]:
         check_cluster_vec_env(self.env, self._algorithm_name())
@@ -217,7 +205,6 @@ class WorkerInferenceMixin:
             learner = make_deployable(acting)
             pool.deploy(learner.deployable_copy(), seed=self.seed)
             self._deployed_pool = pool
-            self._probe_tails.clear()
             self._policy_sync = PolicySync(pool, learner, **self._sync_config)
         else:
             self._apply_sync_config()
@@ -260,23 +247,8 @@ class WorkerInferenceMixin:
         sync = self._policy_sync
         sync.record_rollout(rollout.versions)
         if sync.mode == "aaps":
-            self._observe_probe(rollout.obs, sync)
+            sync.observe(rollout.obs)
         return rollout
-
-    def _observe_probe(self, obs: Any, sync: PolicySync) -> None:
-        """Probe states for AAPS: the last ``probe_size`` states (or more) of recent segments."""
-        rows_needed = max(1, math.ceil(sync.probe_size / self.n_envs))
-        n_steps = _length(obs)
-        tails = self._probe_tails
-        tails.append(_copy(_index(obs, slice(max(0, n_steps - rows_needed), n_steps))))
-        while len(tails) > 1 and sum(map(_length, tails)) - _length(tails[0]) >= rows_needed:
-            tails.popleft()
-        tails = list(self._probe_tails)
-        if isinstance(tails[0], dict):
-            probe = {name: np.concatenate([tail[name] for tail in tails]) for name in tails[0]}
-        else:
-            probe = np.concatenate(tails)
-        sync.observe(probe, leading_dims=2)
 
     def _start_next_segment(self) -> None:
         """With ``overlap_collection``, start the next segment now, so it is collected while training."""
