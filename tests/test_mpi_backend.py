@@ -174,7 +174,8 @@ def test_world_hang_is_timeout_then_abort_at_exit(mode):
     aborts the job at exit instead of waiting in MPI_Finalize forever."""
     code, output, seconds = launch(mode, "faults.py", "hang", timeout=120.0)
     assert "OK hang WorkerTimeoutError" in output and "OK closed" in output, output
-    assert code != 0 and "MPI_Abort" in output, output
+    # The learner says it aborts; MPICH's own MPI_Abort report may be cut off as the job ends.
+    assert code != 0 and "aborting the MPI job" in output, output
     assert seconds < 60.0
 
 
