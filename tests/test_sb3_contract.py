@@ -20,9 +20,12 @@ from tests.envs import make_dict_env  # noqa: E402
 STEPS = 2000
 
 
-def _run_side_by_side(env_fns, steps: int = STEPS, num_workers: int = 2, seed: int = 3) -> None:
+def run_side_by_side(env_fns, steps: int = STEPS, seed: int = 3, **cluster_kwargs) -> None:
+    """ClusterVecEnv(env_fns, **cluster_kwargs) and DummyVecEnv(env_fns) give identical results for
+    ``steps`` steps of the same random actions (also run by tests/mpi_scripts/contract.py)."""
+    # ClusterVecEnv first: in an SPMD MPI launch, worker ranks turn into workers right here.
+    actual = ClusterVecEnv(env_fns, **{"num_workers": 2, **cluster_kwargs})
     expected = DummyVecEnv(env_fns)
-    actual = ClusterVecEnv(env_fns, num_workers=num_workers)
     try:
         expected.seed(seed)
         actual.seed(seed)
@@ -39,18 +42,19 @@ def _run_side_by_side(env_fns, steps: int = STEPS, num_workers: int = 2, seed: i
             assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
             episodes_ended += int(want[2].sum())
         assert episodes_ended > 10, "the run must cover many automatic resets"
+        assert_same(actual.get_attr("spec"), expected.get_attr("spec"), "get_attr")
     finally:
-        expected.close()
         actual.close()
+        expected.close()
 
 
 def test_cartpole_matches_dummy_vec_env():
-    _run_side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8)
+    run_side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8)
 
 
 def test_dict_obs_continuous_truncation_matches_dummy_vec_env():
     # 5 envs on 2 workers: uneven blocks; the env truncates at 25 steps and terminates at random.
-    _run_side_by_side([make_dict_env] * 5)
+    run_side_by_side([make_dict_env] * 5)
 
 
 def test_reset_options_and_seed_match():

@@ -22,37 +22,12 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
-from tests.compare import assert_same  # noqa: E402
 from tests.envs import make_dict_env  # noqa: E402
 
-STEPS = 2000
+def side_by_side(env_fns) -> None:
+    from tests.test_sb3_contract import run_side_by_side
 
-
-def side_by_side(env_fns, steps: int = STEPS, seed: int = 3) -> None:
-    from stable_baselines3.common.vec_env import DummyVecEnv
-
-    actual = ClusterVecEnv(env_fns, backend="mpi", num_workers=2)  # first: SPMD worker ranks stop here
-    expected = DummyVecEnv(env_fns)
-    try:
-        expected.seed(seed)
-        actual.seed(seed)
-        assert_same(actual.reset(), expected.reset(), "reset obs")
-        assert_same(actual.reset_infos, expected.reset_infos, "reset_infos")
-        expected.action_space.seed(seed)
-        episodes = 0
-        for t in range(steps):
-            actions = np.stack([expected.action_space.sample() for _ in range(expected.num_envs)])
-            want = expected.step(actions)
-            got = actual.step(actions)
-            for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
-                assert_same(g, w, f"{name} at step {t}")
-            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
-            episodes += int(want[2].sum())
-        assert episodes > 10, "the run must cover many automatic resets"
-        assert_same(actual.get_attr("spec"), expected.get_attr("spec"), "get_attr")
-    finally:
-        actual.close()
-        expected.close()
+    run_side_by_side(env_fns, backend="mpi", num_workers=2)
 
 
 def ppo() -> None:
