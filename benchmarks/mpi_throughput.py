@@ -7,6 +7,11 @@ timing. The MPI pool spawns its 2 worker ranks (plain ``python``, no mpiexec nee
 singleton init). Configurations alternate for ``--rounds`` rounds and the median round is reported,
 because the machine is shared and noisy: read the ratio mpi/local within one run.
 
+Each measurement runs in a fresh Python process, as a training script holds one pool for its whole
+run. ``--same-process`` measures all of them in this process instead: there the order matters on
+this 2-core machine (measured: the first MPI pool after a local one ran about 125k steps/s and the
+later ones about 100k, while the local pools went from 141k to 155k), whatever the backend code.
+
 Reported per configuration:
 
 - ``steps_per_s``: env steps per second (pool steps x 32);
@@ -28,6 +33,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -125,19 +131,34 @@ def measure(backend: str, options: dict, seconds: float) -> dict:
     }
 
 
+def measure_in_new_process(backend: str, options: dict, seconds: float) -> dict:
+    """:func:`measure` in a fresh interpreter (this script with ``--measure``)."""
+    command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([backend, options, seconds])]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300 + 3 * seconds)
+    if finished.returncode != 0:
+        raise RuntimeError(f"measuring {backend} {options} failed:\n{finished.stderr}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
     parser.add_argument("--mpi-options", type=json.loads, nargs="*", default=[], help="extra MPI option sets (JSON)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--same-process", action="store_true", help="measure every pool in this process")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # [backend, options, seconds]
     args = parser.parse_args()
+    if args.measure is not None:
+        print(json.dumps(measure(*json.loads(args.measure))))
+        return
+    run = measure if args.same_process else measure_in_new_process
 
     configurations = [("local", {}), ("mpi", {})] + [("mpi", options) for options in args.mpi_options]
     rounds: list[list[dict]] = [[] for _ in configurations]
     for _ in range(args.rounds):
         for index, (backend, options) in enumerate(configurations):
-            rounds[index].append(measure(backend, options, args.seconds))
+            rounds[index].append(run(backend, options, args.seconds))
 
     results = []
     for (backend, options), measured in zip(configurations, rounds):
@@ -151,7 +172,11 @@ def main() -> None:
             }
         )
     local = results[0]["steps_per_s"]
-    print(f"CartPole-v1, {NUM_ENVS} envs on {NUM_WORKERS} workers, median of {args.rounds} rounds of {args.seconds:g} s")
+    where = "all in this process" if args.same_process else "each in a fresh process"
+    print(
+        f"CartPole-v1, {NUM_ENVS} envs on {NUM_WORKERS} workers, median of {args.rounds} rounds of {args.seconds:g} s"
+        f" ({where})"
+    )
     names = [result["backend"] + (" " + json.dumps(result["options"]) if result["options"] else "") for result in results]
     width = max(len(name) for name in names)
     print(
@@ -176,6 +201,7 @@ def main() -> None:
                     "num_workers": NUM_WORKERS,
                     "seconds": args.seconds,
                     "rounds": args.rounds,
+                    "same_process": args.same_process,
                     "cpu_count": os.cpu_count(),
                     "load_average": os.getloadavg(),
                     "python": platform.python_version(),

@@ -282,7 +282,13 @@ partition() {
     [ "$JOB_STATUS" != 124 ] && [ "$JOB_STATUS" != 137 ] || fail "partition ($launch): the learner did not end by itself"
     grep -q "^OK blip" "$out" || fail "partition ($launch): the 1 s cut was not survived"
     grep -Eq "^OK partition (WorkerTimeoutError|WorkerLostError)" "$out" || fail "partition ($launch): no WorkerTimeoutError"
-    grep -q "^OK closed" "$out" || fail "partition ($launch): close() did not return"
+    if ! grep -q "^OK closed" "$out"; then
+        # World ranks are one MPI job, and MPI is fail-stop: when hydra or MPICH notice the lost
+        # rank (about when the pool's timeout fires) they may end the job before close() returns.
+        # That is the documented outcome too, as long as the job ended by itself (checked above).
+        [ "$launch" = world ] && [ "$JOB_STATUS" != 0 ] || fail "partition ($launch): close() did not return"
+        log "partition ($launch): the launcher ended the job (status $JOB_STATUS) before close() returned"
+    fi
     local host
     for host in learner w1; do
         wait_for 10 "processes on $host to end" no_processes "$host" \
