@@ -357,7 +357,7 @@ class WorkerRollouts:
         if not self._started:
             pool.rollout_async(self.num_steps, context)
         self._started = False
-        rollout = pool.rollout_wait(timeout=pool.timeout * self.num_steps)
+        rollout = pool.rollout_wait()  # the pool's timeout bounds the time without progress
         if self.overlap:
             pool.rollout_async(self.num_steps, context)
             self._started = True
@@ -396,4 +396,4 @@ class WorkerRollouts:
         """Wait for a segment started ahead (its steps are dropped), so the envs can be closed or reused."""
         if self._started:
             self._started = False
-            self.pool.rollout_wait(timeout=self.pool.timeout * self.num_steps)
+            self.pool.rollout_wait()

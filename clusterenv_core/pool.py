@@ -29,7 +29,7 @@ from clusterenv_core.errors import (
     WorkerTimeoutError,
 )
 from clusterenv_core.transports import Transport, make_transport
-from clusterenv_core.protocol import AUTORESET_MODES, RESTART_INFO_KEY
+from clusterenv_core.protocol import AUTORESET_MODES, PROGRESS, RESTART_INFO_KEY
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
 
 DEFAULT_TIMEOUT = 60.0
@@ -82,6 +82,12 @@ def _blocks(num_envs: int, num_workers: int) -> list[range]:
     return blocks
 
 
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
 class EnvPool:
     """Environments on worker processes, stepped in parallel in contiguous blocks.
 
@@ -128,8 +134,7 @@ class EnvPool:
         for index, env_fn in enumerate(env_fns):
             if not callable(env_fn):
                 raise TypeError(f"env_fns[{index}] is not callable: {env_fn!r}")
-        if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = _check_timeout(timeout)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, (int, np.integer)) or max_restarts < 0:
@@ -168,6 +173,7 @@ class EnvPool:
         #: version of the last published weights (0: those deployed; -1: no policy deployed yet)
         self.policy_version = -1
         self._rollout_pending = None  # the region of a rollout started and not yet waited for
+        self._rollout_timeout = self.timeout  # its timeout without progress
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._transport, self._awaiting)
         try:
@@ -433,11 +439,13 @@ class EnvPool:
         self._weights.write(flat, self.policy_version)
         return self.policy_version
 
-    def rollout_async(self, n_steps: int, context: dict | None = None) -> None:
+    def rollout_async(self, n_steps: int, context: dict | None = None, timeout: float | None = None) -> None:
         """Start every worker collecting ``n_steps`` steps of all its envs with its policy copy;
         returns at once, so the learner can train while the segment is collected.
 
         :param context: keyword arguments for the policy's ``act`` (e.g. an exploration rate)
+        :param timeout: seconds a worker may go without progress (default: the pool's ``timeout``).
+            A segment may take as long as it needs: workers report progress every quarter of it.
         """
         self._check_usable()
         self._check_not_stepping()
@@ -445,6 +453,7 @@ class EnvPool:
             raise ClusterEnvError("no policy deployed: call deploy first")
         if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
             raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
+        timeout = self.timeout if timeout is None else _check_timeout(timeout)
         self._drain()
         region = self._rollout_region(int(n_steps))
         for worker, block in enumerate(self.blocks):
@@ -455,20 +464,23 @@ class EnvPool:
                 "handle": region.handle,
                 "block": block,
                 "num_envs": self.num_envs,
+                "report_every": timeout / 4,
             }
             self._send(worker, ("rollout", payload))
         self._rollout_pending = region
+        self._rollout_timeout = timeout
 
     def rollout_wait(self, timeout: float | None = None) -> Rollout:
         """Wait for the segment started by :meth:`rollout_async`.
 
-        :param timeout: seconds the whole segment may take (default: the pool's ``timeout``)
+        :param timeout: seconds a worker may go without progress (default: the one given to
+            :meth:`rollout_async`); a worker that stops stepping raises ``WorkerTimeoutError``
         """
         self._check_usable()
         region = self._rollout_pending
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self._rollout_timeout if timeout is None else _check_timeout(timeout)
 
         def receive_segment(worker: int) -> None:
             block = self.blocks[worker]
@@ -510,8 +522,8 @@ class EnvPool:
 
     def rollout(self, n_steps: int, context: dict | None = None, timeout: float | None = None) -> Rollout:
         """:meth:`rollout_async` then :meth:`rollout_wait`."""
-        self.rollout_async(n_steps, context)
-        return self.rollout_wait(timeout)
+        self.rollout_async(n_steps, context, timeout)
+        return self.rollout_wait()
 
     def _rollout_region(self, n_steps: int) -> RolloutArrays:
         """One of two regions per segment length, alternating, so a segment can be collected while
@@ -651,6 +663,8 @@ class EnvPool:
         for worker in workers:
             try:
                 status, payload = recv(worker, timeout)
+                while status == PROGRESS:  # still working: the timeout starts again
+                    status, payload = recv(worker, timeout)
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not (step and self._may_replace(worker)):
                     raise self._fail(error)

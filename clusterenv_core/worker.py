@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from clusterenv_core.protocol import RESTART_INFO_KEY, STEP
+from clusterenv_core.protocol import PROGRESS, RESTART_INFO_KEY, STEP
 from clusterenv_core.transports.base import WorkerConnection
 
 class RemoteFailure(Exception):
@@ -214,13 +215,17 @@ class EnvBlock:
                 infos[index] = info
         return _payload(infos=infos, obs=pickled_obs)
 
-    def rollout(self, n_steps: int, context: dict, host, arrays) -> dict | None:
+    def rollout(
+        self, n_steps: int, context: dict, host, arrays, report: Callable[[int], None], report_every: float
+    ) -> dict | None:
         """Run ``n_steps`` steps of every env, acting with the local policy copy, into ``arrays``
         (a :class:`~clusterenv_core.rollout.RolloutArrays` whose rows start at ``arrays.row0``).
 
         Each step goes through :meth:`step`, so autoreset, restarts and infos behave as in a
-        learner-driven step; returns the non-empty step payloads by step index.
+        learner-driven step; returns the non-empty step payloads by step index. ``report(steps)``
+        runs after a step when ``report_every`` seconds passed since the start or the last report.
         """
+        next_report = time.monotonic() + report_every
         buffers, rows = self.buffers, self.rows
         segment = slice(arrays.row0, arrays.row0 + len(self.envs))
         (actions,) = buffers.actions  # deploy checked that the action space is one field
@@ -247,6 +252,9 @@ class EnvBlock:
             arrays.versions[segment, t] = version
             if payload:
                 payloads[t] = payload
+            if t + 1 < n_steps and time.monotonic() >= next_report:
+                report(t + 1)
+                next_report = time.monotonic() + report_every
         for kept, now in zip(arrays.last_obs, buffers.obs):
             kept[segment] = now[rows]
         return {"steps": payloads} if payloads else None
@@ -442,7 +450,13 @@ def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnecti
         return None
     if op == "rollout":
         arrays = _rollout_arrays(block, payload, connection)
-        return block.rollout(payload["n_steps"], payload["context"], block.host, arrays)
+
+        def report(steps: int) -> None:
+            connection.send((PROGRESS, steps))
+
+        return block.rollout(
+            payload["n_steps"], payload["context"], block.host, arrays, report, payload["report_every"]
+        )
     if op == "call":
         return block.call(payload["name"], payload["args"], payload["kwargs"], payload["rows"], payload["require_callable"])
     if op == "get_attr":

@@ -242,8 +242,7 @@ class WorkerInferenceMixin:
         elif self._started[0] != n_steps:
             raise RuntimeError(f"a segment of {self._started[0]} steps was started ahead, {n_steps} are needed")
         self._started = None
-        # A segment takes n_steps steps; the pool's timeout bounds each one.
-        rollout = pool.rollout_wait(timeout=pool.timeout * n_steps)
+        rollout = pool.rollout_wait()  # the pool's timeout bounds the time without progress
         sync = self._policy_sync
         sync.record_rollout(rollout.versions)
         if sync.mode == "aaps":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -10,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from clusterenv_core import ClusterEnvError, EnvError, EnvPool  # noqa: E402
+from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerTimeoutError  # noqa: E402
 from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
 from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
-from tests.envs import FailingEnv  # noqa: E402
+from tests.envs import FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
 from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
 
 D = torch.distributions
@@ -200,3 +201,29 @@ def test_rollout_errors_are_clear():
         with pytest.raises(ClusterEnvError, match="rollout is pending"):
             pool.step(np.zeros(2, np.int64))
         pool.rollout_wait()
+
+
+@pytest.mark.parametrize("backend", ["local", "mpi"])
+def test_rollout_timeout_bounds_the_time_without_progress(backend):
+    """A segment longer than its timeout completes while workers report progress; a worker that
+    stops stepping raises WorkerTimeoutError after about the timeout, not the timeout times n_steps."""
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    slow = [functools.partial(SlowCartPole, 0.02)] * 2  # 40 steps: 0.8 s, twice the timeout
+    with EnvPool(slow, num_workers=2, backend=backend) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.deploy(LinearPolicy())
+        assert pool.rollout(40, timeout=0.4).rewards.shape == (40, 2)
+        pool.rollout_async(40, timeout=0.4)  # the wait starts late, as when training overlaps
+        time.sleep(1.0)
+        assert pool.rollout_wait().rewards.shape == (40, 2)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.rollout(5, timeout=0)
+    hanging = [functools.partial(gym.make, "CartPole-v1"), lambda: HangingEnv(gym.make("CartPole-v1"), hang_at=5)]
+    with EnvPool(hanging, num_workers=2, backend=backend) as pool:
+        pool.reset()
+        pool.deploy(LinearPolicy())
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match="worker 1"):
+            pool.rollout(100, timeout=1.0)
+        assert time.monotonic() - started < 5.0

@@ -46,11 +46,17 @@ _STEP_FRAME = _frame(STEP)
 
 
 class _MessageSocket:
-    """Length-prefixed messages over a connected stream socket."""
+    """Length-prefixed messages over a connected stream socket.
+
+    Several messages may arrive in one read (a worker's progress reports queue up while the learner
+    trains): bytes past the message returned stay buffered for the next call.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._buffer = bytearray(1 << 16)
+        self._start = 0  # buffered bytes not yet returned: self._buffer[self._start : self._end]
+        self._end = 0
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
 
@@ -61,24 +67,45 @@ class _MessageSocket:
         """The next message; ``EOFError`` if the peer closed. With ``timeout``, ``TimeoutError`` when it
         expires; ``still_alive()`` is consulted while waiting and may raise."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        received = 0
-        total = None
         while True:
+            message = self._take()
+            if message is not None:
+                return message[0]
+            if self._start == self._end:
+                self._start = self._end = 0
+            elif self._start > 0:  # move the partial message to the front
+                pending = self._end - self._start
+                self._buffer[:pending] = self._buffer[self._start : self._end]
+                self._start, self._end = 0, pending
+            if len(self._buffer) - self._end < 4096:
+                self._buffer.extend(bytes(len(self._buffer)))
             if deadline is not None:
                 self._wait_readable(deadline, still_alive)
-            view = memoryview(self._buffer)[received:]
+            view = memoryview(self._buffer)[self._end :]
             count = self.sock.recv_into(view)
             view.release()
             if count == 0:
                 raise EOFError("connection closed")
-            received += count
-            if total is None and received >= _HEADER.size:
-                (length,) = _HEADER.unpack_from(self._buffer)
-                total = _HEADER.size + length
-                if total > len(self._buffer):
-                    self._buffer.extend(bytes(total - len(self._buffer)))
-            if total is not None and received >= total:
-                return pickle.loads(memoryview(self._buffer)[_HEADER.size : total])
+            self._end += count
+
+    def _take(self) -> tuple[Any] | None:
+        """The next whole buffered message (in a 1-tuple), or None; grows the buffer for a long one."""
+        available = self._end - self._start
+        if available < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(self._buffer, self._start)
+        total = _HEADER.size + length
+        if available < total:
+            if self._start + total > len(self._buffer):
+                self._buffer.extend(bytes(self._start + total - len(self._buffer)))
+            return None
+        body = memoryview(self._buffer)[self._start + _HEADER.size : self._start + total]
+        try:
+            message = pickle.loads(body)
+        finally:
+            body.release()
+        self._start += total
+        return (message,)
 
     def _wait_readable(self, deadline: float, still_alive) -> None:
         while True:

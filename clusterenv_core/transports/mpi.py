@@ -117,7 +117,7 @@ import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
-from clusterenv_core.protocol import STEP, dumps
+from clusterenv_core.protocol import PROGRESS, STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
 
 # Message tags; the range keeps clear of small tags a user's own messages would use.
@@ -775,6 +775,9 @@ class MPITransport(Transport):
         probe = _Probe(_State.MPI, self.comm, self.ranks[worker], _TAG_REPLY)
         self._wait(worker, probe, timeout)
         reply = self._receive_pickled(probe)
+        if reply[0] == PROGRESS:  # an interim reply: no rows, the real one follows
+            self._received(worker)
+            return reply
         if self._last_op[worker] in _ROW_OPS and self._result_messages:
             rank = self.ranks[worker]
             self._wait(worker, self.comm.Irecv(self._result_messages[worker], source=rank, tag=_TAG_RESULT).Test, timeout)
@@ -1100,7 +1103,7 @@ class MPIWorkerConnection(WorkerConnection):
         data = dumps(message)
         request = self.comm.Isend(data, dest=self.learner, tag=_TAG_REPLY)
         rows = None
-        if self.last_op in _ROW_OPS and self.full_message is not None:
+        if self.last_op in _ROW_OPS and self.full_message is not None and message[0] != PROGRESS:
             self.header[0] = 0
             rows = self.comm.Isend(self.full_message, dest=self.learner, tag=_TAG_RESULT)
         self._ring()
