@@ -745,7 +745,8 @@ class EnvPool:
         """Read replies left unread by an interrupted call, so requests and replies stay paired."""
         for worker in sorted(self._awaiting):
             try:
-                self._transport.recv(worker, self.timeout)
+                while self._transport.recv(worker, self.timeout)[0] == PROGRESS:
+                    pass
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
             self._awaiting.discard(worker)
@@ -814,8 +815,8 @@ def _shutdown(transport: Transport, awaiting: set[int]) -> None:
             continue
         try:
             while worker in awaiting:  # a pending reply first, so the close reply is the next one
-                transport.recv(worker, _CLOSE_TIMEOUT)
-                awaiting.discard(worker)
+                if transport.recv(worker, _CLOSE_TIMEOUT)[0] != PROGRESS:
+                    awaiting.discard(worker)
             transport.send(worker, ("close", None))
             asked.append(worker)
         except ClusterEnvError:

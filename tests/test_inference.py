@@ -219,6 +219,11 @@ def test_rollout_timeout_bounds_the_time_without_progress(backend):
         assert pool.rollout_wait().rewards.shape == (40, 2)
         with pytest.raises(ValueError, match="timeout"):
             pool.rollout(5, timeout=0)
+        pool.rollout_async(40, timeout=0.4)
+        time.sleep(0.5)  # progress reports queue up; closing reads past them
+        started = time.monotonic()
+        pool.close()
+        assert time.monotonic() - started < 3.0
     hanging = [functools.partial(gym.make, "CartPole-v1"), lambda: HangingEnv(gym.make("CartPole-v1"), hang_at=5)]
     with EnvPool(hanging, num_workers=2, backend=backend) as pool:
         pool.reset()
