@@ -169,7 +169,8 @@ def plot(data: dict, path: Path) -> None:
             returns = np.array([[point[1] for point in r["curve"][:length]] for r in runs], dtype=float)
             mean = np.nanmean(returns, axis=0)
             ax_curve.plot(steps, mean, color=colors[label], label=label, lw=2 if label in ("always", "never") else 1.4)
-        ax_curve.set_title(f"{env_id}: training return (last 20 episodes, mean of {len(data['config']['seeds'])} seeds)")
+        seeds = len({run["seed"] for run in data["runs"] if run["env_id"] == env_id})
+        ax_curve.set_title(f"{env_id}: training return (last 20 episodes, mean of {seeds} seeds)")
         frozen = [label for label in labels if label.startswith("aaps") and table.get(label, {}).get("syncs", 1) == 0]
         if frozen:  # their curves are never's (same data), drawn under it
             ax_curve.text(0.99, 0.02, f"0 syncs, curve = never: {', '.join(frozen)}", transform=ax_curve.transAxes,
@@ -269,6 +270,7 @@ def main() -> None:
         config = dict(parts[0]["config"])
         config["envs"] = [env_id for part in parts for env_id in part["config"]["envs"]]
         config["steps"] = {k: v for part in parts for k, v in part["config"]["steps"].items()}
+        config["seeds"] = {env_id: part["config"]["seeds"] for part in parts for env_id in part["config"]["envs"]}
         config["command"] = [part["config"]["command"] for part in parts]
         runs = [run for part in parts for run in part["runs"]]
         data = {"config": config, "runs": runs, "summary": summarize(runs, config["policies"], config["envs"])}
