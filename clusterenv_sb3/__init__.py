@@ -3,16 +3,17 @@
 Change ``DummyVecEnv(env_fns)`` (or ``SubprocVecEnv``) to ``ClusterVecEnv(env_fns)``, or pass
 ``vec_env_cls=ClusterVecEnv`` to ``make_vec_env``.
 
-Worker-side inference: ``clusterenv_sb3.PPO`` and ``clusterenv_sb3.DQN`` are SB3's algorithms acting
+Worker-side inference: ``clusterenv_sb3.PPO``, ``A2C`` and ``DQN`` are SB3's algorithms acting
 on the workers (give them a bare ``ClusterVecEnv``); ``AAPSCallback`` syncs weights adaptively.
 """
 
 from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_sb3.aaps_callback import AAPSCallback
-from clusterenv_sb3.algorithms import DQN, PPO
+from clusterenv_sb3.algorithms import A2C, DQN, PPO
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
 
 __all__ = [
+    "A2C",
     "DQN",
     "PPO",
     "AAPSCallback",

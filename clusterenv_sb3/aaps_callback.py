@@ -1,4 +1,4 @@
-"""``AAPSCallback``: Adaptive Actor Policy Synchronization for ``clusterenv_sb3.PPO``/``DQN``, logged to SB3's logger.
+"""``AAPSCallback``: Adaptive Actor Policy Synchronization for clusterenv_sb3's PPO, A2C and DQN, in SB3's logger.
 
 The decision itself is :class:`clusterenv_core.aaps.PolicySync`'s; this callback only configures
 it for the ``learn()`` call it is passed to and records its counters under ``aaps/`` (so they reach
@@ -55,7 +55,7 @@ class AAPSCallback(BaseCallback):
 
         if not isinstance(self.model, WorkerInferenceMixin):
             raise TypeError(
-                f"AAPSCallback needs an algorithm with worker-side inference (clusterenv_sb3.PPO or clusterenv_sb3.DQN), "
+                f"AAPSCallback needs an algorithm with worker-side inference (clusterenv_sb3.PPO, A2C or DQN), "
                 f"got {type(self.model).__module__}.{type(self.model).__name__}"
             )
         self.model.configure_sync(

@@ -1,6 +1,6 @@
-"""SB3's PPO and DQN with worker-side inference: the workers act, the learner only learns.
+"""SB3's PPO, A2C and DQN with worker-side inference: the workers act, the learner only learns.
 
-``clusterenv_sb3.PPO`` and ``clusterenv_sb3.DQN`` are Stable-Baselines3's algorithms with their
+``clusterenv_sb3.PPO``, ``A2C`` and ``DQN`` are Stable-Baselines3's algorithms with their
 constructors unchanged (plus ``overlap_collection``), learning from rollout segments that the
 ClusterEnv workers collect with their own copy of the policy. The policy is deployed once, when
 learning starts; after every learner update (``train()``) the workers get the new weights, or, with
@@ -11,9 +11,10 @@ learning starts; after every learner update (``train()``) the workers get the ne
 
 Design:
 
-- PPO stores the workers' log-probabilities (the behaviour policy's, which PPO's ratio needs) but
-  recomputes the values with the learner's current critic, in one batched pass per segment (with
-  AAPS or overlap the workers' critic may be stale). With ``always`` sync and no overlap both agree.
+- PPO and A2C store the workers' log-probabilities (the behaviour policy's, which PPO's ratio
+  needs) but recompute the values with the learner's current critic, in one batched pass per
+  segment (with AAPS or overlap the workers' critic may be stale). With ``always`` sync and no
+  overlap both agree.
 - DQN sends its exploration rate to the workers as the rollout context (``epsilon``; 1.0 before
   ``learning_starts``, where SB3 samples uniformly). One rate holds for a whole ``train_freq``
   segment, where SB3 moves it after every step.
@@ -270,18 +271,8 @@ class WorkerInferenceMixin:
         self._last_episode_starts = (rollout.terminated[-1] | rollout.truncated[-1]).copy()
 
 
-class PPO(WorkerInferenceMixin, sb3.PPO):
-    """Stable-Baselines3's PPO with worker-side inference (same constructor as ``stable_baselines3.PPO``).
-
-    :param overlap_collection: collect the next segment while training on the current one (the
-        workers then act with weights up to one update old; PPO's ratio uses their log-probs)
-
-    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
-    """
-
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_worker_inference(overlap_collection)
+class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
+    """On-policy collection (PPO, A2C) from worker-collected segments, filling SB3's ``RolloutBuffer``."""
 
     def _segment_request(self) -> tuple[int, dict]:
         return self.n_steps, {}
@@ -360,6 +351,35 @@ class PPO(WorkerInferenceMixin, sb3.PPO):
         callback.on_rollout_end()
         self._start_next_segment()
         return True
+
+
+class PPO(OnPolicyWorkerInferenceMixin, sb3.PPO):
+    """Stable-Baselines3's PPO with worker-side inference (same constructor as ``stable_baselines3.PPO``).
+
+    :param overlap_collection: collect the next segment while training on the current one (the
+        workers then act with weights up to one update old; PPO's ratio uses their log-probs)
+
+    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
+    """
+
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_worker_inference(overlap_collection)
+
+
+class A2C(OnPolicyWorkerInferenceMixin, sb3.A2C):
+    """Stable-Baselines3's A2C with worker-side inference (same constructor as ``stable_baselines3.A2C``).
+
+    :param overlap_collection: collect the next segment while training on the current one. A2C has
+        no importance ratio: its gradient treats the (up to one update old) actions as the current
+        policy's, so overlap trades a small bias for throughput.
+
+    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
+    """
+
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_worker_inference(overlap_collection)
 
 
 class DQN(WorkerInferenceMixin, sb3.DQN):

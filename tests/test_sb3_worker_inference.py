@@ -18,11 +18,12 @@ from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
 from stable_baselines3.common.logger import KVWriter, Logger  # noqa: E402
+from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm  # noqa: E402
 from stable_baselines3.common.policies import ActorCriticPolicy  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
 import clusterenv_sb3  # noqa: E402
-from clusterenv_sb3 import DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
+from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
 from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
 
@@ -140,7 +141,7 @@ def _first_segments(algorithm, env, segments: int, **kwargs):
     total, cb = model._setup_learn(10**6, callback)
     snapshots = []
     for index in range(segments):
-        if isinstance(model, sb3.PPO):
+        if isinstance(model, OnPolicyAlgorithm):
             assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
             buf = model.rollout_buffer
             snapshots.append(
@@ -162,7 +163,7 @@ def _first_segments(algorithm, env, segments: int, **kwargs):
         snapshots[-1]["last_obs"] = np.array(model._last_obs)
         if index < segments - 1:
             np.random.seed(index)  # SB3's DQN draws from numpy's global RNG while acting; ours does not
-            if isinstance(model, sb3.PPO):
+            if isinstance(model, OnPolicyAlgorithm):
                 model.train()
             else:
                 model.train(gradient_steps=model.gradient_steps, batch_size=model.batch_size)
@@ -301,16 +302,21 @@ def test_q_network_wrapper_is_epsilon_greedy_per_env():
 # -- same buffers as SB3 -----------------------------------------------------------------------------
 
 
-def test_ppo_rollout_buffer_equals_sb3_collect_rollouts_with_truncation():
+@pytest.mark.parametrize(
+    "ours_class, sb3_class, kwargs",
+    [(PPO, sb3.PPO, dict(batch_size=96, n_epochs=2)), (A2C, sb3.A2C, {})],
+    ids=["PPO", "A2C"],
+)
+def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ours_class, sb3_class, kwargs):
     """Two segments with an update in between: observations, actions, rewards bootstrapped on
     truncation, episode starts, values, log-probs, returns, advantages, what callbacks see and
     Monitor's episode stats all equal SB3's own collect_rollouts (same seeds, same policy)."""
-    kwargs = dict(policy=ObsSeededPolicy, n_steps=48, batch_size=96, n_epochs=2)
+    kwargs = dict(policy=ObsSeededPolicy, n_steps=48, **kwargs)
     env_kwargs = dict(max_episode_steps=25)
-    reference = _first_segments(sb3.PPO, _dummy_env("CartPole-v1", **env_kwargs), 2, **kwargs)
+    reference = _first_segments(sb3_class, _dummy_env("CartPole-v1", **env_kwargs), 2, **kwargs)
     env = _cluster_env("CartPole-v1", **env_kwargs)
     try:
-        ours = _first_segments(PPO, env, 2, **kwargs)
+        ours = _first_segments(ours_class, env, 2, **kwargs)
         _assert_same_collection(ours, reference)
         model, segments, _ = ours
         infos = [info for step in ours[2]["callback"].steps for info in step["infos"]]
