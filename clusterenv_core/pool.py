@@ -662,9 +662,7 @@ class EnvPool:
         first_error: EnvError | None = None
         for worker in workers:
             try:
-                status, payload = recv(worker, timeout)
-                while status == PROGRESS:  # still working: the timeout starts again
-                    status, payload = recv(worker, timeout)
+                status, payload = _reply(recv, worker, timeout)
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not (step and self._may_replace(worker)):
                     raise self._fail(error)
@@ -745,8 +743,7 @@ class EnvPool:
         """Read replies left unread by an interrupted call, so requests and replies stay paired."""
         for worker in sorted(self._awaiting):
             try:
-                while self._transport.recv(worker, self.timeout)[0] == PROGRESS:
-                    pass
+                _reply(self._transport.recv, worker, self.timeout)
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
             self._awaiting.discard(worker)
@@ -804,6 +801,14 @@ def _pickle_factories(env_fns: list, block: range) -> list[bytes]:
     return pickled
 
 
+def _reply(recv: Callable[[int, float], Any], worker: int, timeout: float) -> tuple[str, Any]:
+    """The worker's next reply, read past its progress reports (each restarts the ``timeout``)."""
+    status, payload = recv(worker, timeout)
+    while status == PROGRESS:
+        status, payload = recv(worker, timeout)
+    return status, payload
+
+
 def _shutdown(transport: Transport, awaiting: set[int]) -> None:
     """Ask every worker to close its envs and exit, then make sure they have.
 
@@ -814,9 +819,9 @@ def _shutdown(transport: Transport, awaiting: set[int]) -> None:
         if worker in transport.failed:
             continue
         try:
-            while worker in awaiting:  # a pending reply first, so the close reply is the next one
-                if transport.recv(worker, _CLOSE_TIMEOUT)[0] != PROGRESS:
-                    awaiting.discard(worker)
+            if worker in awaiting:  # a pending reply first, so the close reply is the next one
+                _reply(transport.recv, worker, _CLOSE_TIMEOUT)
+                awaiting.discard(worker)
             transport.send(worker, ("close", None))
             asked.append(worker)
         except ClusterEnvError:

@@ -1073,6 +1073,10 @@ class MPIWorkerConnection(WorkerConnection):
         if self.bell is not None:
             self.bell.ring()
 
+    def _received(self) -> None:
+        if self.bell is not None:
+            self.bell.received()
+
     def recv(self) -> Any:
         probe = self.probe
         while True:
@@ -1085,8 +1089,7 @@ class MPIWorkerConnection(WorkerConnection):
                     self._await(probe)
                 except EOFError:
                     return None
-            if self.bell is not None:
-                self.bell.received()
+            self._received()
             tag = probe.status.Get_tag()
             if tag == _TAG_STEP:
                 probe.message.Recv(self.action_message)
@@ -1175,8 +1178,7 @@ class MPIWorkerConnection(WorkerConnection):
         for array in arrays:
             target = array if array.flags.c_contiguous else np.empty_like(array)
             self._await(self.comm.Irecv(target, source=self.learner, tag=_TAG_ARRAYS).Test)
-            if self.bell is not None:
-                self.bell.received()
+            self._received()
             if target is not array:
                 array[...] = target
 

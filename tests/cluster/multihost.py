@@ -44,44 +44,39 @@ def signal_file(name: str) -> str:
 
 
 def contract(timeout: float) -> None:
-    from stable_baselines3.common.vec_env import DummyVecEnv
+    from tests.test_sb3_contract import run_side_by_side
 
-    from clusterenv_sb3 import ClusterVecEnv
-    from tests.compare import assert_same
+    def report_hosts(env) -> None:
+        print("HOSTS", *env.pool._transport.hosts, flush=True)
 
-    env_fns = [CARTPOLE] * 8
     started = time.monotonic()
-    actual = ClusterVecEnv(env_fns, backend="mpi", num_workers=2, timeout=timeout, **backend_options())
-    expected = DummyVecEnv(env_fns)
-    try:
-        print("HOSTS", *actual.pool._transport.hosts, flush=True)
-        seed = 3
-        expected.seed(seed)
-        actual.seed(seed)
-        assert_same(actual.reset(), expected.reset(), "reset obs")
-        assert_same(actual.reset_infos, expected.reset_infos, "reset_infos")
-        expected.action_space.seed(seed)
-        episodes = 0
-        stepping = time.monotonic()
-        for t in range(STEPS):
-            actions = np.stack([expected.action_space.sample() for _ in range(expected.num_envs)])
-            want = expected.step(actions)
-            got = actual.step(actions)
-            for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
-                assert_same(g, w, f"{name} at step {t}")
-            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
-            episodes += int(want[2].sum())
-        seconds = time.monotonic() - stepping
-        assert episodes > 10, "the run must cover many automatic resets"
-        assert_same(actual.get_attr("spec"), expected.get_attr("spec"), "get_attr")
-    finally:
-        actual.close()
-        expected.close()
+    episodes, seconds = run_side_by_side(
+        [CARTPOLE] * 8, STEPS, on_start=report_hosts, backend="mpi", timeout=timeout, **backend_options()
+    )
     print(
         f"OK contract: {STEPS} steps x 8 envs identical, {episodes} episodes, "
         f"{STEPS / seconds:.0f} steps/s, {time.monotonic() - started:.1f} s in all",
         flush=True,
     )
+
+
+def step_until_lost(pool: EnvPool, timeout: float, scenario: str) -> None:
+    """Step until a step raises WorkerTimeoutError/WorkerLostError, within ``timeout`` (+2 s) of its
+    start; prints ``OK <scenario> <error> after <s> s``. Bounded: 30 s more than the timeout in all."""
+    deadline = time.monotonic() + timeout + 30.0
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        try:
+            step(pool)
+        except (WorkerTimeoutError, WorkerLostError) as error:
+            waited = time.monotonic() - started
+            print(
+                f"OK {scenario} {type(error).__name__} after {waited:.2f} s (timeout {timeout:g} s): {error}", flush=True
+            )
+            assert waited <= timeout + 2.0, waited
+            return
+        time.sleep(0.002)
+    raise AssertionError("no error within the bound")
 
 
 def backend_options() -> dict:
@@ -126,19 +121,7 @@ def partition(timeout: float) -> None:
     print(f"OK blip survived: the longest of {count} steps around the 1 s cut took {longest:.2f} s", flush=True)
 
     open(signal_file("ready-cut"), "w").close()
-    deadline = time.monotonic() + timeout + 30.0
-    while time.monotonic() < deadline:
-        started = time.monotonic()
-        try:
-            step(pool)
-        except (WorkerTimeoutError, WorkerLostError) as error:
-            waited = time.monotonic() - started
-            print(f"OK partition {type(error).__name__} after {waited:.2f} s (timeout {timeout:g} s): {error}", flush=True)
-            assert waited <= timeout + 2.0, waited
-            break
-        time.sleep(0.002)
-    else:
-        raise AssertionError("no error within the bound")
+    step_until_lost(pool, timeout, "partition")
     try:
         step(pool)
     except ClusterEnvError as error:
@@ -156,19 +139,7 @@ def kill(timeout: float) -> None:
     for _ in range(50):
         step(pool)
     open(signal_file("ready-kill"), "w").close()
-    deadline = time.monotonic() + timeout + 30.0
-    while time.monotonic() < deadline:
-        started = time.monotonic()
-        try:
-            step(pool)
-        except (WorkerTimeoutError, WorkerLostError) as error:
-            waited = time.monotonic() - started
-            print(f"OK kill {type(error).__name__} after {waited:.2f} s (timeout {timeout:g} s): {error}", flush=True)
-            assert waited <= timeout + 2.0, waited
-            break
-        time.sleep(0.002)
-    else:
-        raise AssertionError("no error within the bound")
+    step_until_lost(pool, timeout, "kill")
     started = time.monotonic()
     pool.close()
     print(f"OK closed in {time.monotonic() - started:.2f} s", flush=True)
