@@ -168,6 +168,12 @@ def test_spawned_hang_is_timeout_and_close_kills_the_rank():
     assert_gone(worker_pids(output))
 
 
+def test_rollout_timeout_bounds_the_time_without_progress():
+    """tests/test_inference.py's checks over MPI: progress reports cross the MPI transport too."""
+    code, output, _ = launch("spawn", "faults.py", "rollout_progress")
+    assert code == 0 and "OK rollout_progress" in output, output
+
+
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_hang_is_timeout_then_abort_at_exit(mode):
     """A stuck world rank cannot be killed alone: WorkerTimeoutError, close() returns, and the learner

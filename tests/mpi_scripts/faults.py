@@ -137,6 +137,13 @@ def wrong_num_workers() -> None:
         raise AssertionError("no ValueError")
 
 
+def rollout_progress() -> None:
+    from tests.test_inference import run_rollout_timeout_checks
+
+    run_rollout_timeout_checks("mpi")
+    print("OK rollout_progress", flush=True)
+
+
 SCENARIOS = {
     "env_exception": env_exception,
     "worker_death": worker_death,
@@ -145,6 +152,7 @@ SCENARIOS = {
     "learner_kill": learner_kill,
     "learner_exception": learner_exception,
     "wrong_num_workers": wrong_num_workers,
+    "rollout_progress": rollout_progress,
 }
 
 if __name__ == "__main__":
