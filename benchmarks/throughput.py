@@ -3,8 +3,10 @@
     python benchmarks/throughput.py [--seconds 2] [--envs 8 32] [--json benchmarks/results/throughput.json]
 
 Compares SB3's DummyVecEnv (one process), SB3's SubprocVecEnv (fork), gymnasium's AsyncVectorEnv
-and ClusterVecEnv (local backend, one worker per core) on CartPole-v1 and on CartPole whose step
-busy-waits 200 µs (a stand-in for a costly simulator). Random actions are drawn before timing.
+and ClusterVecEnv (local backend, one worker per core; and the MPI backend, 2 spawned worker ranks,
+when mpi4py is installed) on CartPole-v1 and on CartPole whose step busy-waits 200 µs (a stand-in
+for a costly simulator). Random actions are drawn before timing. ``benchmarks/mpi_throughput.py``
+compares the two backends more closely (alternating rounds in fresh processes, round trips, CPU).
 Construction time is the time to build the vector env and reset it. The machine is noisy: read the
 ratios to DummyVecEnv within one run, not absolute numbers across runs.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -50,6 +53,8 @@ VEC_ENVS = {
     "AsyncVectorEnv": gym.vector.AsyncVectorEnv,
     "ClusterVecEnv": ClusterVecEnv,
 }
+if importlib.util.find_spec("mpi4py") is not None:
+    VEC_ENVS["ClusterVecEnv(mpi)"] = functools.partial(ClusterVecEnv, backend="mpi", num_workers=2)
 
 
 def measure(vec_env_cls, env_fn, num_envs: int, seconds: float) -> dict:

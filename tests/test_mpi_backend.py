@@ -100,9 +100,10 @@ def no_shm_left():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("check", ["cartpole", "dict", "rollout"])
+@pytest.mark.parametrize("check", ["cartpole", "dict", "vector", "rollout"])
 def test_matches_dummy_vec_env(no_shm_left, mode, check):
-    """2000 steps side by side with DummyVecEnv: obs, rewards, dones, infos, reset_infos identical."""
+    """2000 steps side by side with DummyVecEnv (``vector``: ClusterVectorEnv with SyncVectorEnv):
+    obs, rewards, flags, infos identical; ``rollout``: worker-side rollouts equal a reference."""
     code, output, _ = launch(mode, "contract.py", check)
     assert code == 0 and f"OK {check}" in output, output
     if mode != "spawn":

@@ -1,4 +1,5 @@
-"""ClusterVecEnv(backend="mpi") against DummyVecEnv, in whatever MPI launch mode this script runs in.
+"""ClusterVecEnv(backend="mpi") against DummyVecEnv, and ClusterVectorEnv against SyncVectorEnv, in
+whatever MPI launch mode this script runs in.
 
 Usage (the checks run in order; a world launch serves one pool, so give it one check)::
 
@@ -28,6 +29,20 @@ def side_by_side(env_fns) -> None:
     from tests.test_sb3_contract import run_side_by_side
 
     run_side_by_side(env_fns, backend="mpi", num_workers=2)
+
+
+def vector() -> None:
+    """ClusterVectorEnv(backend="mpi") against SyncVectorEnv (the CleanRL contract), 2000 steps."""
+    from clusterenv_cleanrl import ClusterVectorEnv
+    from tests.test_cleanrl_vector_env import make_cartpole, run_and_compare
+
+    env_fns = [make_cartpole] * 4
+    cluster = ClusterVectorEnv(env_fns, backend="mpi", num_workers=2)  # first: SPMD worker ranks stop here
+    sync = gym.vector.SyncVectorEnv(env_fns)
+    with cluster:
+        counts = run_and_compare(cluster, sync, 2000, seed=1)
+    sync.close()
+    assert counts["terminated"] > 50 and counts["truncated"] > 5, counts
 
 
 def ppo() -> None:
@@ -84,6 +99,7 @@ CHECKS = {
     "cartpole": lambda: side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8),
     # 5 envs on 2 workers: uneven blocks; Dict observations, Box actions, truncation at 25 steps.
     "dict": lambda: side_by_side([make_dict_env] * 5),
+    "vector": vector,
     "ppo": ppo,
     "rollout": rollout,
 }
