@@ -67,6 +67,8 @@ def run_one(ppo, env_id: str, steps: int, mode: str, threshold: float | None, se
         kl_threshold=threshold if threshold is not None else 0.0,
         sync_every=opts.sync_every,
         overlap=opts.overlap,
+        ppo_ratio=opts.ppo_ratio,
+        max_behaviour_weight=opts.max_behaviour_weight,
         num_workers=opts.num_workers,
         eval_episodes=opts.eval_episodes,
         track_dir=None,
@@ -255,6 +257,10 @@ def main() -> None:
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.001, 0.01, 0.05, 0.1, 0.5])
     parser.add_argument("--sync-every", choices=["iteration", "minibatch"], default="minibatch")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--ppo-ratio", choices=["proximal", "behaviour"], default="proximal",
+                        help="decoupled PPO (clip relative to the learner's policy) or clip relative to the workers'")
+    parser.add_argument("--max-behaviour-weight", type=float, default=2.0,
+                        help="decoupled PPO: truncation of the importance weights pi_learner / pi_workers")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--eval-episodes", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="20k steps, seed 1, thresholds 0.01 and 0.1")
@@ -298,6 +304,8 @@ def main() -> None:
         "policies": labels,
         "sync_every": opts.sync_every,
         "overlap": opts.overlap,
+        "ppo_ratio": opts.ppo_ratio,
+        "max_behaviour_weight": opts.max_behaviour_weight,
         "num_workers": opts.num_workers,
         "eval_episodes": opts.eval_episodes,
         "ppo": "examples/cleanrl/ppo_aaps.py defaults (4 envs x 128 steps, 4 epochs x 4 minibatches)",

@@ -18,8 +18,9 @@ script already works with::
   (``get_action_and_value`` becomes ``act``; ``actor`` logits, or ``actor_mean``/``actor_logstd``,
   become ``action_dist``); :class:`DeployableQNetwork` does the same for DQN's ``QNetwork``
   (epsilon-greedy ``act(obs, epsilon=...)`` on the workers, greedy-action divergence for AAPS).
-- :func:`ppo_batch` gives CleanRL's rollout tensors: ``obs``, ``actions``, ``logprobs``,
-  ``rewards``, ``dones``, ``values`` (recomputed by the learner's critic) and ``next_obs``/``next_done``.
+- :func:`ppo_batch` gives CleanRL's rollout tensors: ``obs``, ``actions``, ``logprobs`` (the
+  workers'), ``learner_logprobs`` and ``values`` (the learner's current policy and critic),
+  ``rewards``, ``dones`` and ``next_obs``/``next_done``.
   Segments use same-step autoreset, so after an episode end ``obs[t + 1]`` is already the reset
   observation; a truncated (not terminated) episode gets ``gamma * V(last observation)`` added to
   its last reward, so CleanRL's GAE, which cuts at every ``done``, stays correct for truncation.
@@ -162,11 +163,15 @@ class PPOBatch:
     ``next_done`` stored before each step; ``dones[0]`` comes from the previous segment).
     ``rewards`` include ``gamma * V(final observation)`` at truncations that are not terminations;
     ``values`` are the learner's critic on ``obs``. ``next_obs``/``next_done`` follow the last step.
+    ``logprobs`` are the workers' (the behaviour policy that chose the actions, possibly stale);
+    ``learner_logprobs`` the learner's policy's at collection time, the proximal policy of a
+    decoupled PPO objective (equal to ``logprobs`` up to rounding when the workers were up to date).
     """
 
     obs: torch.Tensor
     actions: torch.Tensor
     logprobs: torch.Tensor
+    learner_logprobs: torch.Tensor
     rewards: torch.Tensor
     dones: torch.Tensor
     values: torch.Tensor
@@ -186,7 +191,8 @@ def ppo_batch(
     """CleanRL's PPO tensors from a segment (copies: valid after the pool reuses its region).
 
     :param agent: the learner's agent; ``agent.get_value(obs)`` gives the values (its current
-        critic, not the workers' possibly stale copy) and the truncation bootstraps
+        critic, not the workers' possibly stale copy) and the truncation bootstraps, and
+        ``agent.get_action_and_value(obs, actions)`` the learner's log-probabilities
     :param gamma: discount of the truncation bootstrap
     :param episode_starts: done flags before the segment's first step (``dones[0]``); zeros if ``None``
     :param start_step: global step before the segment, for the episodes' global steps
@@ -200,8 +206,13 @@ def ppo_batch(
     next_obs = torch.tensor(np.asarray(rollout.last_obs), dtype=torch.float32)
     done = _done(rollout)
     rewards = rollout.rewards.astype(np.float32)
+    actions = torch.tensor(np.asarray(rollout.actions))
     with torch.no_grad():
-        values = agent.get_value(obs.reshape(num_steps * num_envs, *obs.shape[2:])).reshape(num_steps, num_envs)
+        flat_obs = obs.reshape(num_steps * num_envs, *obs.shape[2:])
+        _, learner_logprobs, _, values = agent.get_action_and_value(
+            flat_obs, actions.reshape(num_steps * num_envs, *actions.shape[2:])
+        )
+        values = values.reshape(num_steps, num_envs)
         # A truncated episode did not end by the MDP: bootstrap from its real last observation.
         steps, envs = np.nonzero(rollout.truncated & ~rollout.terminated)
         if len(steps):
@@ -213,8 +224,9 @@ def ppo_batch(
     dones[1:] = done[:-1]
     return PPOBatch(
         obs=obs,
-        actions=torch.tensor(np.asarray(rollout.actions)),
+        actions=actions,
         logprobs=torch.tensor(rollout.log_probs, dtype=torch.float32),
+        learner_logprobs=learner_logprobs.reshape(num_steps, num_envs),
         rewards=torch.from_numpy(rewards),
         dones=torch.from_numpy(dones),
         values=values,

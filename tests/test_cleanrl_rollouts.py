@@ -117,6 +117,7 @@ def test_ppo_batch_matches_sequential_reference():
         with torch.no_grad():
             _, logprob, _, value = agent.get_action_and_value(obs, b.actions)
             torch.testing.assert_close(b.logprobs, logprob)  # the workers' log-probs
+            torch.testing.assert_close(b.learner_logprobs, logprob)  # the same policy on the learner
             torch.testing.assert_close(b.values, value.squeeze(-1))  # the learner's critic
             rewards = torch.tensor([s["rewards"] for s in ref], dtype=torch.float32)
             for t, s in enumerate(ref):
@@ -163,8 +164,14 @@ def _synthetic_rollout() -> Rollout:
 
 
 class SumCritic(torch.nn.Module):
+    """V(x) = sum(x); a uniform policy over two actions."""
+
     def get_value(self, x):
         return x.sum(-1, keepdim=True)
+
+    def get_action_and_value(self, x, action):
+        log_prob = torch.full(action.shape, -float(np.log(2.0)))
+        return action, log_prob, -log_prob, self.get_value(x)
 
 
 def test_truncation_bootstraps_and_termination_does_not():
@@ -176,6 +183,7 @@ def test_truncation_bootstraps_and_termination_does_not():
     np.testing.assert_array_equal(b.dones.numpy(), [[1, 0], [1, 0], [0, 1]])
     np.testing.assert_array_equal(b.next_done.numpy(), [1, 0])
     np.testing.assert_allclose(b.values.numpy(), rollout.obs.sum(-1))
+    np.testing.assert_allclose(b.learner_logprobs.numpy(), np.full((3, 2), -np.log(2.0)), rtol=1e-6)
     assert [tuple(e) for e in b.episodes] == [(102, 0, 7.0, 7), (104, 1, 3.0, 3)]
     assert episodic_returns(rollout) == [(2, 0, 7.0, 7), (4, 1, 3.0, 3)]
     # The batch is a copy: the rollout's arrays may be reused by the pool.
@@ -215,8 +223,8 @@ def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights():
             rollouts = WorkerRollouts(pool, agent, 8, sync=mode, seed=0)
             for _ in range(3):
                 b = rollouts.collect_ppo(GAMMA)
-                with torch.no_grad():  # an "update": the policy changes
-                    agent.actor.weight.add_(0.5)
+                with torch.no_grad():  # an "update": the policy changes (one logit only: softmax moves)
+                    agent.actor.weight[0].add_(0.5)
                 rollouts.after_update()
             b = rollouts.collect_ppo(GAMMA)
             summary = rollouts.summary()
@@ -226,6 +234,11 @@ def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights():
             with torch.no_grad():
                 acting = agent if mode == "always" else rollouts.sync.deployed
                 np.testing.assert_array_equal(b.actions[0].numpy(), acting.actor(b.obs[0]).argmax(-1).numpy())
+                # logprobs: the policy that acted; learner_logprobs: the learner's current one.
+                torch.testing.assert_close(b.logprobs, acting.get_action_and_value(b.obs, b.actions)[1])
+                torch.testing.assert_close(b.learner_logprobs, agent.get_action_and_value(b.obs, b.actions)[1])
+                if mode == "never":
+                    assert not torch.allclose(b.logprobs, b.learner_logprobs)
             assert rollouts.global_step == 4 * 8 * 4
             # Segments collected after 0, 1, 2, 3 updates: never-synced workers lag 0..3 updates behind.
             assert summary["mean_update_lag"] == (0.0 if mode == "always" else 1.5)

@@ -19,9 +19,15 @@ What one "update" (one ``after_update``) is, ``--sync-every``:
   ``always`` gives them the freshest policy at ``update_epochs * num_minibatches`` syncs per
   iteration; that is the expensive baseline where AAPS saves most.
 
-The agent is CleanRL's, with ``DeployableAgent`` added to its bases. PPO's ratio uses the workers'
-log-probabilities (the behaviour policy's, exact even when their weights are stale); values come
-from the learner's current critic. Segments use same-step autoreset: truncated episodes bootstrap
+The agent is CleanRL's, with ``DeployableAgent`` added to its bases. With stale weights on the
+workers the data comes from an older policy than the learner's, so the loss is decoupled PPO
+(``--ppo-ratio proximal``, after Hilton et al., "Batch size-invariance for policy optimization"):
+the ratio and its clip are relative to the learner's policy when the segment arrived, and each step
+is weighted by pi_learner / pi_workers (truncated at ``--max-behaviour-weight``). With up-to-date
+workers the weights are 1 and this is CleanRL's loss. Clipping against the workers' policy instead
+(``--ppo-ratio behaviour``) pins the learner within the clip range of the deployed weights: it can
+never drift far enough for a high AAPS threshold to fire, and stops learning between syncs. Values
+come from the learner's current critic. Segments use same-step autoreset: truncated episodes bootstrap
 through their reward (``gamma * V(last observation)``), so CleanRL's GAE is unchanged. Metrics go
 to TensorBoard under ``runs/`` (``charts/*``, ``losses/*``, ``aaps/*``); at the end the greedy
 policy is evaluated on ``--eval-episodes`` fresh episodes.
@@ -104,6 +110,11 @@ class Args:
     """what one update is: a whole PPO iteration, or each optimizer (minibatch) step"""
     overlap: bool = False
     """collect the next segment while the learner trains on the current one"""
+    ppo_ratio: Literal["proximal", "behaviour"] = "proximal"
+    """what PPO's ratio and clip are relative to: the learner's policy at collection (decoupled PPO,
+    importance-weighted to the workers' policy) or the workers' (possibly stale) policy"""
+    max_behaviour_weight: float = 2.0
+    """decoupled PPO: importance weights pi_learner / pi_workers are truncated at this value"""
     eval_episodes: int = 10
     """episodes of the greedy policy evaluated at the end"""
     log_every: int = 20
@@ -239,7 +250,14 @@ def train(args: Args) -> dict:
             returns = advantages + b.values
 
         b_obs = b.obs.reshape((-1, obs_dim))
-        b_logprobs = b.logprobs.reshape(-1)
+        if args.ppo_ratio == "proximal":
+            # Decoupled PPO: clip relative to the learner's policy when the segment arrived, and weight
+            # each step by how much likelier that policy makes its action than the workers' did.
+            b_logprobs = b.learner_logprobs.reshape(-1)
+            b_weights = (b.learner_logprobs - b.logprobs).exp().clamp(max=args.max_behaviour_weight).reshape(-1)
+        else:
+            b_logprobs = b.logprobs.reshape(-1)
+            b_weights = torch.ones_like(b_logprobs)
         b_actions = b.actions.reshape(-1)
         b_advantages = advantages.reshape(-1)
         b_returns = returns.reshape(-1)
@@ -261,8 +279,12 @@ def train(args: Args) -> dict:
                 mb_advantages = b_advantages[mb_inds]
                 if args.norm_adv:
                     mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
-                pg_loss = torch.max(
-                    -mb_advantages * ratio, -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = (
+                    b_weights[mb_inds]
+                    * torch.max(
+                        -mb_advantages * ratio,
+                        -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef),
+                    )
                 ).mean()
 
                 newvalue = newvalue.view(-1)
