@@ -11,10 +11,11 @@ learning starts; after every learner update (``train()``) the workers get the ne
 
 Design:
 
-- PPO and A2C store the workers' log-probabilities (the behaviour policy's, which PPO's ratio
-  needs) but recompute the values with the learner's current critic, in one batched pass per
-  segment (with AAPS or overlap the workers' critic may be stale). With ``always`` sync and no
-  overlap both agree.
+- PPO and A2C recompute values and log-probabilities with the learner's current policy, in one
+  batched pass per segment (with AAPS or overlap the workers' copy may be stale), and weight each
+  step's advantage by pi_learner / pi_workers, truncated at ``max_behaviour_weight`` (decoupled
+  PPO: the clip is relative to the learner's policy, the weight corrects for who acted). With
+  ``always`` sync and no overlap the two policies agree and the weights are 1.
 - DQN sends its exploration rate to the workers as the rollout context (``epsilon``; 1.0 before
   ``learning_starts``, where SB3 samples uniformly). One rate holds for a whole ``train_freq``
   segment, where SB3 moves it after every step.
@@ -274,6 +275,16 @@ class WorkerInferenceMixin:
 class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
     """On-policy collection (PPO, A2C) from worker-collected segments, filling SB3's ``RolloutBuffer``."""
 
+    max_behaviour_weight: float
+
+    def _init_on_policy_worker_inference(self, overlap_collection: bool, max_behaviour_weight: float) -> None:
+        if isinstance(max_behaviour_weight, bool) or not isinstance(max_behaviour_weight, (int, float)) or not (
+            max_behaviour_weight >= 1.0
+        ):
+            raise ValueError(f"max_behaviour_weight must be a number >= 1 (inf: no truncation), got {max_behaviour_weight!r}")
+        self.max_behaviour_weight = float(max_behaviour_weight)
+        self._init_worker_inference(overlap_collection)
+
     def _segment_request(self) -> tuple[int, dict]:
         return self.n_steps, {}
 
@@ -292,11 +303,17 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         rollout = self._rollout(env)
         segment = _Segment(rollout, env)
         num_envs = env.num_envs
+        batch = n_rollout_steps * num_envs
+        flat_actions = th.as_tensor(np.asarray(rollout.actions).reshape(batch, -1), dtype=th.float32, device=self.device)
+        if isinstance(self.action_space, spaces.Discrete):
+            flat_actions = flat_actions.long().flatten()  # as SB3's train() hands them to the policy
         with th.no_grad():
-            # The learner's critic on every state of the segment, in one pass.
-            all_values = self.policy.predict_values(
-                obs_as_tensor(_flatten(rollout.obs, n_rollout_steps * num_envs), self.device)
-            ).reshape(n_rollout_steps, num_envs, 1)
+            # The learner's critic and log-probabilities on every step of the segment, in one pass.
+            all_values, learner_log_probs, _ = self.policy.evaluate_actions(
+                obs_as_tensor(_flatten(rollout.obs, batch), self.device), flat_actions
+            )
+            all_values = all_values.reshape(n_rollout_steps, num_envs, 1)
+            all_log_probs = learner_log_probs.reshape(n_rollout_steps, num_envs)
             # Bootstrapping on truncation: gamma * V(terminal observation), one pass for the segment.
             bootstrap = np.zeros((n_rollout_steps, num_envs), np.float32)
             steps, envs = np.nonzero(segment.timeouts)
@@ -304,7 +321,11 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
                 terminal_obs = _stack([rollout.final_observation(t, i) for t, i in zip(steps, envs)])
                 terminal_values = self.policy.predict_values(obs_as_tensor(terminal_obs, self.device)).flatten()
                 bootstrap[steps, envs] = (self.gamma * terminal_values).cpu().numpy()
-        all_log_probs = th.as_tensor(rollout.log_probs, device=self.device)
+        # Decoupled policy gradient: the workers' (possibly stale) policy chose the actions, so each step
+        # is weighted by pi_learner / pi_workers, truncated; the learner's log-probs anchor PPO's clip.
+        behaviour_weights = np.minimum(
+            np.exp(all_log_probs.cpu().numpy() - rollout.log_probs), self.max_behaviour_weight
+        ).astype(np.float32)
 
         for t in range(n_rollout_steps):
             obs = _index(rollout.obs, t)
@@ -346,6 +367,8 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
             values = self.policy.predict_values(obs_as_tensor(_copy(rollout.last_obs), self.device))
 
         rollout_buffer.compute_returns_and_advantage(last_values=values, dones=dones)
+        # After the returns (value targets stay unweighted): the policy loss sees weighted advantages.
+        rollout_buffer.advantages *= behaviour_weights
 
         callback.update_locals(locals())
         callback.on_rollout_end()
@@ -357,29 +380,44 @@ class PPO(OnPolicyWorkerInferenceMixin, sb3.PPO):
     """Stable-Baselines3's PPO with worker-side inference (same constructor as ``stable_baselines3.PPO``).
 
     :param overlap_collection: collect the next segment while training on the current one (the
-        workers then act with weights up to one update old; PPO's ratio uses their log-probs)
+        workers then act with weights up to one update old)
+    :param max_behaviour_weight: truncation of the importance weights pi_learner / pi_workers
+
+    When the workers' weights are stale (AAPS, ``never``, overlap) the segment comes from an older
+    policy than the learner's. The loss is then decoupled PPO (Hilton et al., "Batch size-invariance
+    for policy optimization"): the ratio and its clip are relative to the learner's policy when the
+    segment arrived, and each step's advantage is weighted by pi_learner / pi_workers. With
+    up-to-date workers the weights are 1 and this is SB3's PPO. (SB3 normalizes the weighted
+    advantages per minibatch.) Clipping against the workers' policy instead would keep the learner
+    within the clip range of the deployed weights until the next sync.
 
     ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
     """
 
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, overlap_collection: bool = False, max_behaviour_weight: float = 2.0, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._init_worker_inference(overlap_collection)
+        self._init_on_policy_worker_inference(overlap_collection, max_behaviour_weight)
 
 
 class A2C(OnPolicyWorkerInferenceMixin, sb3.A2C):
     """Stable-Baselines3's A2C with worker-side inference (same constructor as ``stable_baselines3.A2C``).
 
-    :param overlap_collection: collect the next segment while training on the current one. A2C has
-        no importance ratio: its gradient treats the (up to one update old) actions as the current
-        policy's, so overlap trades a small bias for throughput.
+    :param overlap_collection: collect the next segment while training on the current one
+    :param max_behaviour_weight: truncation of the importance weights pi_learner / pi_workers
+
+    Steps acted by stale weights (AAPS, ``never``, overlap) are importance-weighted by
+    pi_learner / pi_workers (truncated), which makes A2C's gradient that of the learner's policy.
 
     ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
     """
 
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, overlap_collection: bool = False, max_behaviour_weight: float = 2.0, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._init_worker_inference(overlap_collection)
+        self._init_on_policy_worker_inference(overlap_collection, max_behaviour_weight)
 
 
 class DQN(WorkerInferenceMixin, sb3.DQN):

@@ -332,6 +332,37 @@ def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ou
         env.close()
 
 
+@pytest.mark.parametrize("algorithm", [PPO, A2C], ids=["PPO", "A2C"])
+def test_stale_segments_are_weighted_to_the_learners_policy(algorithm):
+    """With the workers' weights stale (never synced), the buffer holds the learner's log-probs and
+    advantages weighted by pi_learner / pi_workers, truncated at max_behaviour_weight (1.1 here)."""
+    env = _cluster_env("CartPole-v1")
+    try:
+        model = algorithm("MlpPolicy", env, seed=0, device="cpu", n_steps=32, max_behaviour_weight=1.1)
+        _, cb = model._setup_learn(10**6, None)
+        model.configure_sync(mode="never")
+        deployed = model.policy_sync.deployed.policy
+        for _ in range(3):  # the learner moves away from the deployed weights
+            assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+            model.train()
+        assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+        buf = model.rollout_buffer
+        obs = th.as_tensor(buf.observations.reshape(-1, 4))
+        actions = th.as_tensor(buf.actions.reshape(-1)).long()
+        with th.no_grad():
+            learner = model.policy.evaluate_actions(obs, actions)[1].numpy().reshape(buf.log_probs.shape)
+            workers = deployed.evaluate_actions(obs, actions)[1].numpy().reshape(buf.log_probs.shape)
+        np.testing.assert_allclose(buf.log_probs, learner, rtol=1e-5, atol=1e-6)
+        weights = np.exp(learner - workers)
+        assert (weights > 1.1).any() and (weights < 0.9).any(), "the policies must differ on this segment"
+        unweighted = buf.returns - buf.values  # SB3's returns are advantages + values, before weighting
+        np.testing.assert_allclose(buf.advantages, unweighted * np.minimum(weights, 1.1), rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match="max_behaviour_weight"):
+            algorithm("MlpPolicy", env, max_behaviour_weight=0.5)
+    finally:
+        env.close()
+
+
 def test_ppo_box_actions_clipped_and_bootstrapped_like_sb3():
     # One segment: after an update, continuous actions computed on different batch sizes may differ
     # in the last bit, and the dynamics then drift apart slightly.
