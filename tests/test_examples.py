@@ -1,0 +1,60 @@
+"""The example scripts run end to end (a few thousand steps each) and print their results.
+
+Each runs as a user would start it, in a fresh interpreter, from a scratch directory (CleanRL's
+scripts write TensorBoard logs under ``runs/``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("tyro")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+QUICK_RUNS = {
+    "sb3_ppo_cartpole": ["sb3_ppo_cartpole.py", "--timesteps", "1024"],
+    "sb3_ppo_aaps": ["sb3_ppo_aaps.py", "--timesteps", "2048", "--kl-threshold", "0.001"],
+    "cleanrl_ppo": ["cleanrl/ppo.py", "--total-timesteps", "2048", "--eval-episodes", "1"],
+    "cleanrl_ppo_aaps": [
+        "cleanrl/ppo_aaps.py", "--total-timesteps", "4096", "--eval-episodes", "1", "--sync", "aaps",
+        "--kl-threshold", "0.001", "--overlap", "--sync-every", "minibatch",
+    ],
+    "cleanrl_ppo_aaps_behaviour_ratio": [
+        "cleanrl/ppo_aaps.py", "--total-timesteps", "2048", "--eval-episodes", "1", "--ppo-ratio", "behaviour",
+    ],
+    "cleanrl_dqn": [
+        "cleanrl/dqn.py", "--total-timesteps", "1500", "--learning-starts", "500", "--buffer-size", "2000",
+        "--eval-episodes", "1",
+    ],
+    "cleanrl_dqn_aaps": [
+        "cleanrl/dqn_aaps.py", "--total-timesteps", "1500", "--learning-starts", "500", "--buffer-size", "2000",
+        "--eval-episodes", "1", "--sync", "aaps",
+    ],
+}
+
+EXPECTED_OUTPUT = {
+    "sb3_ppo_cartpole": ["mean return over 20 episodes"],
+    "sb3_ppo_aaps": ["syncs ", "greedy policy, mean return over 10 episodes"],
+    "cleanrl_ppo": ["greedy policy, mean return over 1 episodes"],
+    "cleanrl_ppo_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
+    "cleanrl_ppo_aaps_behaviour_ratio": ["syncs ", "greedy policy, mean return over 1 episodes"],
+    "cleanrl_dqn": ["greedy policy, mean return over 1 episodes"],
+    "cleanrl_dqn_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUICK_RUNS))
+def test_example_runs(name, tmp_path):
+    script, *args = QUICK_RUNS[name]
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    for expected in EXPECTED_OUTPUT[name]:
+        assert expected in done.stdout, f"{script} did not print {expected!r}:\n{done.stdout[-3000:]}"
