@@ -225,7 +225,7 @@ def plot(data: dict, path: Path) -> None:
     config = data["config"]
     fig.suptitle(
         f"PPO with worker-side inference: sync policies (update = {config['sync_every']}, "
-        f"overlap={config['overlap']}, {config['steps']})",
+        f"overlap={config['overlap']}, ratio = {config.get('ppo_ratio', 'behaviour')}, {config['steps']})",
         fontsize=12,
     )
     fig.tight_layout()
