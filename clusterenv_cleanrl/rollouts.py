@@ -380,7 +380,7 @@ class WorkerRollouts:
         return rollout
 
     def collect_ppo(self, gamma: float) -> PPOBatch:
-        """The next segment as CleanRL's PPO tensors (:func:`ppo_batch` with the learner's critic)."""
+        """The next segment as CleanRL's PPO tensors (:func:`ppo_batch` with the learner's critic and policy)."""
         episode_starts = self.next_done.copy()
         start_step = self.global_step
         rollout = self.collect()

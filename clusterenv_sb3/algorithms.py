@@ -281,7 +281,9 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         if isinstance(max_behaviour_weight, bool) or not isinstance(max_behaviour_weight, (int, float)) or not (
             max_behaviour_weight >= 1.0
         ):
-            raise ValueError(f"max_behaviour_weight must be a number >= 1 (inf: no truncation), got {max_behaviour_weight!r}")
+            raise ValueError(
+                f"max_behaviour_weight must be a number >= 1 (inf: no truncation), got {max_behaviour_weight!r}"
+            )
         self.max_behaviour_weight = float(max_behaviour_weight)
         self._init_worker_inference(overlap_collection)
 
@@ -304,7 +306,9 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         segment = _Segment(rollout, env)
         num_envs = env.num_envs
         batch = n_rollout_steps * num_envs
-        flat_actions = th.as_tensor(np.asarray(rollout.actions).reshape(batch, -1), dtype=th.float32, device=self.device)
+        flat_actions = th.as_tensor(
+            np.asarray(rollout.actions).reshape(batch, -1), dtype=th.float32, device=self.device
+        )
         if isinstance(self.action_space, spaces.Discrete):
             flat_actions = flat_actions.long().flatten()  # as SB3's train() hands them to the policy
         with th.no_grad():
