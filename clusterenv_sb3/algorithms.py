@@ -1,8 +1,9 @@
 """SB3's PPO, A2C and DQN with worker-side inference: the workers act, the learner only learns.
 
 ``clusterenv_sb3.PPO``, ``A2C`` and ``DQN`` are Stable-Baselines3's algorithms with their
-constructors unchanged (plus ``overlap_collection``), learning from rollout segments that the
-ClusterEnv workers collect with their own copy of the policy. The policy is deployed once, when
+constructors unchanged (plus ``overlap_collection``, and ``max_behaviour_weight`` for PPO and
+A2C), learning from rollout segments that the ClusterEnv workers collect with their own copy of
+the policy. The policy is deployed once, when
 learning starts; after every learner update (``train()``) the workers get the new weights, or, with
 :class:`~clusterenv_sb3.aaps_callback.AAPSCallback`, only when AAPS says the policy drifted enough
 (:class:`clusterenv_core.aaps.PolicySync` decides). Each segment fills SB3's own buffers as SB3's
