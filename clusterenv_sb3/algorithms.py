@@ -3,8 +3,8 @@
 ``clusterenv_sb3.PPO``, ``A2C`` and ``DQN`` are Stable-Baselines3's algorithms with their
 constructors unchanged (plus ``overlap_collection``, and ``max_behaviour_weight`` for PPO and
 A2C), learning from rollout segments that the ClusterEnv workers collect with their own copy of
-the policy. The policy is deployed once, when
-learning starts; after every learner update (``train()``) the workers get the new weights, or, with
+the policy. The policy is deployed once, when learning starts; after every learner update
+(``train()``) the workers get the new weights, or, with
 :class:`~clusterenv_sb3.aaps_callback.AAPSCallback`, only when AAPS says the policy drifted enough
 (:class:`clusterenv_core.aaps.PolicySync` decides). Each segment fills SB3's own buffers as SB3's
 ``collect_rollouts`` would, step by step: callbacks' ``on_step``, Monitor episode stats,
