@@ -254,13 +254,16 @@ def test_step_after_close_fails_clearly(no_leaks):
 
 
 def _interrupt_soon(delay: float) -> None:
-    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    """Ctrl-C in ``delay`` seconds, delivered to the main thread (a process-wide signal may land on
+    another thread, and the main thread then only notices it when its wait returns)."""
+    threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
 
 
 def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
     from tests.envs import SlowCartPole
 
-    pool = EnvPool([functools.partial(SlowCartPole, seconds=0.4)] * 2, num_workers=2)
+    # Steps of 1.5 s, interrupted after 0.1 s: the timer thread has ample slack on a loaded machine.
+    pool = EnvPool([functools.partial(SlowCartPole, seconds=1.5)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
     _interrupt_soon(0.1)
     with pytest.raises(KeyboardInterrupt):
