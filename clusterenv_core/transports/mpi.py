@@ -142,6 +142,7 @@ _RUNG_SPIN = 50e-6  # after a ring, poll this long without sleeping: the message
 _SLOW_MESSAGE_SLEEP = 1e-3  # first sleep when a rung message does not show within _RUNG_SPIN
 _RING_FLAGS = int(socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
 _CLOSED_GRACE = 1.0  # how long messages may trail the close of the sender's doorbell
+_ABORT_REPORT_SECONDS = 0.3  # before MPI_Abort at exit: time for the launcher to forward the reason
 _ARRAYS_TIMEOUT = 60.0
 _START_TIMEOUT = 60.0  # at least this long for ranks to start (interpreters, imports): slow is not stuck
 # Environment variables set by process managers for the processes they launch.
@@ -209,6 +210,9 @@ def _at_exit() -> None:
             file=sys.stderr,
             flush=True,
         )
+        # The launcher forwards our output through its proxies and stops forwarding once it hears
+        # of the abort: give it a moment to pass on why the job ends.
+        time.sleep(_ABORT_REPORT_SECONDS)
         MPI.COMM_WORLD.Abort(1)
     if _State.finalize_unsafe or _pm_exited():
         if not _State.owns_finalize:
