@@ -278,7 +278,10 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
 
     max_behaviour_weight: float
 
-    def _init_on_policy_worker_inference(self, overlap_collection: bool, max_behaviour_weight: float) -> None:
+    def __init__(
+        self, *args: Any, overlap_collection: bool = False, max_behaviour_weight: float = 2.0, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)  # the SB3 algorithm's constructor
         if isinstance(max_behaviour_weight, bool) or not isinstance(max_behaviour_weight, (int, float)) or not (
             max_behaviour_weight >= 1.0
         ):
@@ -399,12 +402,6 @@ class PPO(OnPolicyWorkerInferenceMixin, sb3.PPO):
     ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
     """
 
-    def __init__(
-        self, *args: Any, overlap_collection: bool = False, max_behaviour_weight: float = 2.0, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_on_policy_worker_inference(overlap_collection, max_behaviour_weight)
-
 
 class A2C(OnPolicyWorkerInferenceMixin, sb3.A2C):
     """Stable-Baselines3's A2C with worker-side inference (same constructor as ``stable_baselines3.A2C``).
@@ -417,12 +414,6 @@ class A2C(OnPolicyWorkerInferenceMixin, sb3.A2C):
 
     ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
     """
-
-    def __init__(
-        self, *args: Any, overlap_collection: bool = False, max_behaviour_weight: float = 2.0, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_on_policy_worker_inference(overlap_collection, max_behaviour_weight)
 
 
 class DQN(WorkerInferenceMixin, sb3.DQN):
