@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from clusterenv_core import registry
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, field_views, fields_nbytes
 from clusterenv_core.errors import (
     ClusterEnvError,
@@ -162,6 +163,8 @@ class EnvPool:
         self.worker_of = np.repeat(np.arange(self.num_workers), [len(block) for block in self.blocks])
         # Serialize before anything starts, so an unpicklable factory fails here and names itself.
         pickled_blocks = [_pickle_factories(env_fns, block) for block in self.blocks]
+        # The learner's env registry, so ids registered here (by the script or an env package) build there.
+        self._registry = registry.snapshot()
 
         self._transport: Transport = transport
         self.backend = backend
@@ -174,6 +177,7 @@ class EnvPool:
         self.policy_version = -1
         self._rollout_pending = None  # the region of a rollout started and not yet waited for
         self._rollout_timeout = self.timeout  # its timeout without progress
+        self._batched_action_space = None  # built on first use, for spaces without buffers
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._transport, self._awaiting)
         try:
@@ -202,6 +206,7 @@ class EnvPool:
                 "max_env_restarts": self.max_restarts if self.restart_failed_envs else 0,
                 "restarted": False,
                 "sys_path": list(sys.path),
+                "registry": self._registry,
             }
             for worker, block in enumerate(self.blocks)
         ]
@@ -245,10 +250,16 @@ class EnvPool:
 
     # -- hot path ---------------------------------------------------------------------------------
 
-    def step_async(self, actions: Any) -> None:
-        """Write ``actions`` (one per env, batched like ``action_space`` batched over envs) and start
-        every worker stepping; returns at once.
+    def step_async(self, actions: Any, per_env: bool = False) -> None:
+        """Write ``actions`` and start every worker stepping; returns at once.
 
+        :param actions: by default a batch, an element of ``action_space`` batched over the envs
+            (gymnasium's ``batch_space``: a ``(num_envs, ...)`` array per leaf, a dict or tuple of
+            those); split per env as ``SyncVectorEnv`` splits it
+        :param per_env: ``actions[i]`` is env ``i``'s action instead (SB3's ``DummyVecEnv``
+            convention: a list of dicts or tuples for ``Dict``/``Tuple`` spaces). For one-array
+            spaces both forms are the same.
+        :raises TypeError: a scalar or a container of the wrong type, before anything is sent
         :raises ValueError: wrong shape, count or values, before anything is sent
         """
         self._check_usable()
@@ -257,12 +268,13 @@ class EnvPool:
         self._check_not_stepping()
         self._drain()
         if self._act_layout.buffered:
-            leaves = self._act_layout.check_batch(actions, self.num_envs)
+            layout = self._act_layout
+            leaves = layout.stack(actions, self.num_envs) if per_env else layout.check_batch(actions, self.num_envs)
             for buffer, leaf in zip(self.buffers.actions, leaves):
                 buffer[...] = leaf
         else:
-            # Spaces without buffers (Text, Graph, ...): one action object per env, pickled.
-            actions = list(actions)
+            # Spaces without buffers (Text, Graph, ... or a Dict/Tuple holding one): one action per env, pickled.
+            actions = list(actions) if per_env else self._split_batch(actions)
             if len(actions) != self.num_envs:
                 raise ValueError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
             for worker, block in enumerate(self.blocks):
@@ -281,6 +293,14 @@ class EnvPool:
                 continue
             self._awaiting.add(worker)
         self._stepping = True
+
+    def _split_batch(self, actions: Any) -> list:
+        """A batch of a space without buffers, one action per env, as ``SyncVectorEnv`` splits it."""
+        from gymnasium.vector.utils import batch_space, iterate
+
+        if self._batched_action_space is None:
+            self._batched_action_space = batch_space(self.action_space, self.num_envs)
+        return list(iterate(self._batched_action_space, actions))
 
     def _remember_obs(self) -> None:
         if self._obs_layout.buffered:
@@ -318,9 +338,9 @@ class EnvPool:
             self._obs, buffers.rewards, buffers.terminated, buffers.truncated, infos, reset_infos, final_obs, buffers
         )
 
-    def step(self, actions: Any) -> StepResult:
+    def step(self, actions: Any, per_env: bool = False) -> StepResult:
         """:meth:`step_async` then :meth:`step_wait`."""
-        self.step_async(actions)
+        self.step_async(actions, per_env)
         return self.step_wait()
 
     def reset(

@@ -146,35 +146,82 @@ class SpaceLayout:
     def check_batch(self, batch: Any, num_envs: int) -> list[np.ndarray]:
         """Validate a batch of ``num_envs`` values (e.g. actions) and return it as one array per field.
 
-        :raises ValueError: wrong structure, shape, or values that the field's dtype cannot hold
-            (NaN or fractional values for integer spaces, out-of-range integers).
+        :raises TypeError: a scalar, or a container of the wrong type, where a batch belongs
+        :raises ValueError: wrong keys, lengths or shapes, or values that the field's dtype cannot
+            hold (NaN or fractional values for integer spaces, out-of-range integers)
         """
         leaves: list[np.ndarray] = [None] * len(self.fields)  # type: ignore[list-item]
         self._collect(self._tree, batch, leaves, num_envs)
         return leaves
+
+    def stack(self, values: Any, num_envs: int) -> list[np.ndarray]:
+        """Validate per-env values (``values[i]`` is env ``i``'s, SB3's ``DummyVecEnv`` convention)
+        and return them as one array per field, as :meth:`check_batch` does for a batch.
+
+        For a one-field space the two forms coincide, so no per-env loop runs.
+
+        :raises TypeError: ``values`` is not a sequence
+        :raises ValueError: not ``num_envs`` values, or a value of the wrong structure or shape
+        """
+        if isinstance(self._tree, int):
+            return self.check_batch(values, num_envs)
+        if isinstance(values, (dict, str, bytes)) or not hasattr(values, "__len__"):
+            raise TypeError(f"{self.prefix}: expected a sequence of {num_envs} values (one per env), got {type(values).__name__}")
+        if len(values) != num_envs:
+            raise ValueError(f"{self.prefix}: expected {num_envs} values (one per env), got {len(values)}")
+        columns: list[list] = [[] for _ in self.fields]
+        for index in range(num_envs):
+            self._split(self._tree, values[index], columns, f"{self.prefix}[{index}]")
+        return [_as_field_array(field, column, num_envs) for field, column in zip(self.fields, columns)]
+
+    def _split(self, node: Any, value: Any, columns: list[list], where: str) -> None:
+        """Append the leaves of one env's ``value`` to the per-field ``columns``."""
+        if isinstance(node, int):
+            columns[node].append(value)
+        elif node[0] == "dict":
+            _check_dict(value, node[1], where)
+            for key, child in zip(node[1], node[2]):
+                self._split(child, value[key], columns, f"{where}[{key!r}]")
+        else:
+            _check_tuple(value, len(node[1]), where)
+            for position, (child, item) in enumerate(zip(node[1], value)):
+                self._split(child, item, columns, f"{where}[{position}]")
 
     def _collect(self, node: Any, batch: Any, leaves: list, num_envs: int) -> None:
         if isinstance(node, int):
             field = self.fields[node]
             leaves[node] = _as_field_array(field, batch, num_envs)
         elif node[0] == "dict":
-            if not isinstance(batch, dict) or set(batch) != set(node[1]):
-                keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
-                raise ValueError(f"{self.prefix}: expected a dict with keys {node[1]}, got {keys}")
+            _check_dict(batch, node[1], self.prefix)
             for key, child in zip(node[1], node[2]):
                 self._collect(child, batch[key], leaves, num_envs)
         else:
-            if not isinstance(batch, (tuple, list)) or len(batch) != len(node[1]):
-                raise ValueError(f"{self.prefix}: expected a tuple of {len(node[1])} batches")
+            _check_tuple(batch, len(node[1]), f"{self.prefix} (a tuple of batches, one per subspace)")
             for child, item in zip(node[1], batch):
                 self._collect(child, item, leaves, num_envs)
+
+
+def _check_dict(value: Any, keys: list, where: str) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(f"{where}: expected a dict with keys {keys}, got {type(value).__name__}")
+    if set(value) != set(keys):
+        raise ValueError(f"{where}: expected a dict with keys {keys}, got {sorted(value)}")
+
+
+def _check_tuple(value: Any, length: int, where: str) -> None:
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"{where}: expected a tuple of {length}, got {type(value).__name__}")
+    if len(value) != length:
+        raise ValueError(f"{where}: expected a tuple of {length}, got {len(value)}")
 
 
 def _as_field_array(field: Field, batch: Any, num_envs: int) -> np.ndarray:
     array = np.asarray(batch)
     expected = (num_envs, *field.shape)
     if array.shape != expected:
-        # A single-env batch of a 0-d field may come as shape (); nothing else is reshaped.
+        if array.ndim == 0:
+            # A scalar is no batch at all, whatever num_envs is (SyncVectorEnv raises TypeError too).
+            raise TypeError(f"{field.name}: expected a batch of shape {expected} (num_envs, *space shape), got a scalar")
         raise ValueError(f"{field.name}: expected shape {expected} (num_envs, *space shape), got {array.shape}")
     if field.dtype.kind in "iub":
         if array.dtype.kind == "f":

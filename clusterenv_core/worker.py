@@ -2,8 +2,8 @@
 
 It is backend-agnostic: a :class:`~clusterenv_core.transports.base.WorkerConnection` brings the
 messages, and results are written into the batch buffers the connection maps. Run as
-``python -m clusterenv_core.worker <backend> [backend arguments]``; the local backend starts it that
-way, and MPI jobs start it as the worker program of an MPMD launch.
+``python -m clusterenv_core.worker [<backend> [backend arguments]]`` (see :mod:`clusterenv_core.launch`);
+the local backend starts it that way, and MPI jobs start it as the worker program of an MPMD launch.
 
 Autoreset modes (what a step does for an env whose episode ended):
 
@@ -15,16 +15,26 @@ Autoreset modes (what a step does for an env whose episode ended):
 
 from __future__ import annotations
 
-import pickle
 import sys
+
+if __name__ == "__main__":
+    # The worker program. Everything it needs is imported inside the launch guard, so that a worker
+    # whose dependencies fail to import still ends an MPI job instead of leaving it waiting.
+    from clusterenv_core.launch import run_worker_program
+
+    sys.exit(run_worker_program(sys.argv[1:]))
+
+import pickle
 import time
 import traceback
 from typing import Any, Callable
 
 import numpy as np
 
+from clusterenv_core import registry
 from clusterenv_core.protocol import PROGRESS, RESTART_INFO_KEY, STEP
 from clusterenv_core.transports.base import WorkerConnection
+
 
 class RemoteFailure(Exception):
     """Raised inside the worker to report a failure with the env it happened in."""
@@ -389,6 +399,7 @@ def serve(connection: WorkerConnection) -> int:
 def _create_block(payload: dict) -> EnvBlock:
     # The learner's import path, so factories pickled by reference find their modules.
     sys.path.extend(path for path in payload["sys_path"] if path not in sys.path)
+    registry.install(payload["registry"])
     env_fns = []
     for row, pickled in enumerate(payload["env_fns"]):
         try:
@@ -466,18 +477,3 @@ def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnecti
     if op == "is_wrapped":
         return block.is_wrapped(payload["wrapper_class"], payload["rows"])
     raise ValueError(f"unknown command {op!r}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m clusterenv_core.worker <backend> [backend arguments]``."""
-    from clusterenv_core.transports import worker_connection
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m clusterenv_core.worker <backend> [backend arguments]", file=sys.stderr)
-        return 2
-    return serve(worker_connection(argv[0], argv[1:]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

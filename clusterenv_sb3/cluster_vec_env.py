@@ -65,8 +65,9 @@ class ClusterVecEnv(VecEnv):
             raise
         self.metadata = self.pool.metadata
 
-    def step_async(self, actions: np.ndarray) -> None:
-        self.pool.step_async(actions)
+    def step_async(self, actions: np.ndarray | Sequence[Any]) -> None:
+        # As DummyVecEnv, actions[i] is env i's action (a list of dicts for a Dict space, ...).
+        self.pool.step_async(actions, per_env=True)
 
     def step_wait(self) -> VecEnvStepReturn:
         result = self.pool.step_wait()
@@ -102,6 +103,13 @@ class ClusterVecEnv(VecEnv):
 
     def close(self) -> None:
         self.pool.close()
+
+    # SB3's VecEnvs are not context managers; workers are worth a ``with`` block.
+    def __enter__(self) -> ClusterVecEnv:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         if self.render_mode != "rgb_array":

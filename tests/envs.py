@@ -151,3 +151,42 @@ class SpacesEnv(gym.Env):
         import sys
 
         return name in sys.modules
+
+
+class EchoActionEnv(gym.Env):
+    """Puts the action it received into its info, so a test sees exactly which action reached which env.
+
+    Episodes end every 5 steps; observations come from the env's RNG.
+    """
+
+    def __init__(self, action_space: spaces.Space) -> None:
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = copy.deepcopy(action_space)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), f"{action!r} is not in {self.action_space}"
+        self.t += 1
+        obs = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        return obs, float(self.t), self.t % 5 == 0, False, {"action": action}
+
+
+class Coin(spaces.Space):
+    """A custom space (no buffers, no gymnasium batching of its own): ``"heads"`` or ``"tails"``."""
+
+    def __init__(self, seed=None) -> None:
+        super().__init__(None, None, seed)
+
+    def sample(self, mask=None, probability=None):
+        return ("heads", "tails")[int(self.np_random.integers(2))]
+
+    def contains(self, x) -> bool:
+        return x in ("heads", "tails")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Coin)

@@ -26,8 +26,13 @@ MODES = ("spawn", "mpmd", "spmd")
 WORKERS = 2
 
 
-def launch(mode: str, script: str, *args: str, timeout: float = 300.0) -> tuple[int, str, float]:
-    """Run ``script`` in launch ``mode`` with 2 worker ranks; returns (exit code, output, seconds)."""
+def launch(
+    mode: str, script: str, *args: str, timeout: float = 300.0, worker: list[str] | None = None
+) -> tuple[int, str, float]:
+    """Run ``script`` in launch ``mode`` with 2 worker ranks; returns (exit code, output, seconds).
+
+    MPMD worker ranks run ``worker`` (default: the worker program without arguments, as users type it).
+    """
     path = os.path.join(SCRIPTS, script)
     python = sys.executable
     if mode == "spawn":
@@ -35,7 +40,7 @@ def launch(mode: str, script: str, *args: str, timeout: float = 300.0) -> tuple[
     else:
         assert MPIEXEC, "mpiexec not found next to the interpreter nor on PATH"
         if mode == "mpmd":
-            worker = [python, "-m", "clusterenv_core.worker", "mpi"]
+            worker = worker or [python, "-m", "clusterenv_core.worker"]
             command = [MPIEXEC, "-print-all-exitcodes", "-n", "1", python, path, *args, ":", "-n", str(WORKERS), *worker]
         else:
             command = [MPIEXEC, "-print-all-exitcodes", "-n", str(WORKERS + 1), python, path, *args]
@@ -217,12 +222,48 @@ def test_wrong_num_workers_is_value_error_naming_the_right_one(mode):
     assert_exit_codes(output, "0,0,0")
 
 
+def test_worker_program_with_the_backend_argument_serves_too():
+    code, output, _ = launch("mpmd", "contract.py", "cartpole", worker=[sys.executable, "-m", "clusterenv_core.worker", "mpi"])
+    assert code == 0 and "OK cartpole" in output, output
+    assert_exit_codes(output, "0,0,0")
+
+
+def _worker_without(module: str) -> list[str]:
+    """The worker program in an interpreter where ``module`` cannot be imported."""
+    code = (
+        f"import runpy, sys; sys.modules[{module!r}] = None; sys.argv = ['worker']; "
+        "runpy.run_module('clusterenv_core.worker', run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize(
+    "worker, reason",
+    [
+        ([sys.executable, "-m", "clusterenv_core.worker", "carrier-pigeon"], "unknown backend 'carrier-pigeon'"),
+        ([sys.executable, "-m", "clusterenv_core.worker", "mpi", "sideways"], "unknown argument 'sideways'"),
+        (_worker_without("gymnasium"), "cannot import what the worker needs: ModuleNotFoundError: import of gymnasium"),
+        (_worker_without("mpi4py"), "cannot import what the worker needs: ModuleNotFoundError: import of mpi4py"),
+    ],
+    ids=["bad backend", "bad argument", "no gymnasium", "no mpi4py"],
+)
+def test_worker_program_that_cannot_serve_ends_the_job_within_seconds(worker, reason):
+    """Without this the learner would wait in MPI_Init forever: the launcher does not end a job
+    whose rank exits before initializing MPI."""
+    code, output, seconds = launch("mpmd", "contract.py", "cartpole", worker=worker, timeout=60)
+    assert code != 0, output
+    assert reason in output and "aborting the MPI job" in output, output
+    assert seconds < 20, f"the job took {seconds:.1f} s to end"
+
+
 def test_worker_program_outside_an_mpi_job_says_how_to_launch_it():
     result = subprocess.run(
         [sys.executable, "-m", "clusterenv_core.worker", "mpi"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode != 0
-    assert "mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker mpi" in result.stderr
+    assert "mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker" in result.stderr
+    bare = subprocess.run([sys.executable, "-m", "clusterenv_core.worker"], capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and "usage: python -m clusterenv_core.worker" in bare.stderr
 
 
 def test_importing_clusterenv_does_not_import_mpi4py():

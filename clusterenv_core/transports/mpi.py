@@ -17,7 +17,7 @@ The mode is chosen when the pool starts (``launch="auto"``, the default):
   a worker (worker ``w`` is rank ``w + 1``; ``num_workers`` must equal ``size - 1``). A worker rank
   gets there in one of two ways, and both may be mixed in one job:
 
-  - MPMD: ``mpiexec -n 1 python train.py : -n W python -m clusterenv_core.worker mpi`` -- the ranks
+  - MPMD: ``mpiexec -n 1 python train.py : -n W python -m clusterenv_core.worker`` -- the ranks
     run the worker program, which waits for rank 0 to send them their env factories.
   - SPMD: ``mpiexec -n W+1 python train.py`` -- every rank runs the script; on a rank above 0,
     constructing the env (``EnvPool``/``ClusterVecEnv``) turns the process into a worker that serves
@@ -117,6 +117,7 @@ import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.launch import launched_by_mpi
 from clusterenv_core.protocol import PROGRESS, STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
 
@@ -146,7 +147,6 @@ _ABORT_REPORT_SECONDS = 0.3  # before MPI_Abort at exit: time for the launcher t
 _ARRAYS_TIMEOUT = 60.0
 _START_TIMEOUT = 60.0  # at least this long for ranks to start (interpreters, imports): slow is not stuck
 # Environment variables set by process managers for the processes they launch.
-_PM_VARIABLES = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 CONNECT_TIMEOUT_VARIABLE = "CLUSTERENV_MPI_CONNECT_TIMEOUT"
 _DEFAULT_CONNECT_TIMEOUT = 600.0
 
@@ -177,7 +177,7 @@ def _mpi(worker: bool = False) -> Any:
         if worker:
             # Worker ranks are ours and single-threaded.
             mpi4py.rc.thread_level = "serialized"
-        elif not _launched_by_process_manager():
+        elif not launched_by_mpi():
             # A singleton that may spawn: finalize ourselves, so a lost worker can skip it.
             mpi4py.rc.finalize = False
             _State.owns_finalize = True
@@ -187,10 +187,6 @@ def _mpi(worker: bool = False) -> Any:
     if not worker:
         atexit.register(_at_exit)
     return MPI
-
-
-def _launched_by_process_manager() -> bool:
-    return any(name in os.environ for name in _PM_VARIABLES)
 
 
 def _at_exit() -> None:
@@ -482,7 +478,7 @@ def _process_manager(mpiexec: str | None, isolate: bool):
     and the shell that started it. In a session of its own it only takes its own ranks down.
     """
     MPI = _State.MPI
-    if _State.pm_started or MPI.get_vendor()[0] != "MPICH" or _launched_by_process_manager():
+    if _State.pm_started or MPI.get_vendor()[0] != "MPICH" or launched_by_mpi():
         yield
         return
     real = mpiexec or _find_mpiexec()
@@ -624,7 +620,7 @@ class MPITransport(Transport):
             if world.Get_size() == 1:
                 raise ValueError(
                     "launch='world' needs worker ranks: run under mpiexec with more than one rank "
-                    "(e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker mpi)"
+                    "(e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker)"
                 )
             if world.Get_rank() != 0:
                 _serve_as_worker()  # SPMD: this rank becomes a worker and never returns
@@ -695,7 +691,7 @@ class MPITransport(Transport):
                 self.failed.add(worker)
                 raise WorkerTimeoutError(
                     f"worker {worker} (MPI rank {rank}) did not start within {timeout:g} s"
-                    + (" (is its rank running python -m clusterenv_core.worker mpi?)" if self.mode == "world" else "")
+                    + (" (is its rank running python -m clusterenv_core.worker?)" if self.mode == "world" else "")
                 )
             hello = self._receive_pickled(probe)
             self.pids[worker], self.hosts[worker] = hello["pid"], hello["host"]
@@ -1235,7 +1231,7 @@ def _connect(kind: str) -> MPIWorkerConnection:
             if comm.Get_size() == 1 or comm.Get_rank() == 0:
                 raise SystemExit(
                     "clusterenv worker (mpi): run the worker program as ranks 1.. of an MPI job whose rank 0 is "
-                    "the learner, e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker mpi"
+                    "the learner, e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker"
                 )
         return MPIWorkerConnection(comm, kind)
     finally:
@@ -1270,7 +1266,7 @@ def _serve_as_worker() -> None:
 
 
 def worker_connection(argv: list[str]) -> MPIWorkerConnection:
-    """Build the worker side from ``python -m clusterenv_core.worker mpi [spawn]``.
+    """Build the worker side from ``python -m clusterenv_core.worker [mpi [spawn]]``.
 
     Without arguments (MPMD launches) the rank serves rank 0 of ``COMM_WORLD``; ``spawn`` is what
     spawned ranks get and serves the parent.

@@ -4,7 +4,7 @@ Rank 0 runs this script and learns; every other rank is a worker. Launched by
 ``train_sb3_mpi.sbatch`` (MPMD: the other ranks run ``python -m clusterenv_core.worker mpi``), or
 by hand::
 
-    mpiexec -n 1 python train_sb3_mpi.py : -n 8 python -m clusterenv_core.worker mpi   # MPMD
+    mpiexec -n 1 python train_sb3_mpi.py : -n 8 python -m clusterenv_core.worker   # MPMD
     mpiexec -n 9 python train_sb3_mpi.py                                               # SPMD
 
 Settings come from environment variables (defaults in brackets): ``ENV_ID`` [CartPole-v1],

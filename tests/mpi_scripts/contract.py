@@ -4,7 +4,7 @@ whatever MPI launch mode this script runs in.
 Usage (the checks run in order; a world launch serves one pool, so give it one check)::
 
     python contract.py cartpole dict ppo                                          # spawn
-    mpiexec -n 1 python contract.py cartpole : -n 2 python -m clusterenv_core.worker mpi   # MPMD
+    mpiexec -n 1 python contract.py cartpole : -n 2 python -m clusterenv_core.worker   # MPMD
     mpiexec -n 3 python contract.py cartpole                                      # SPMD
 
 Rank 0 prints ``OK <check>`` for every check that passed; a failed check raises.

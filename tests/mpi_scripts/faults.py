@@ -1,7 +1,7 @@
 """Fault scenarios of the MPI backend, one per run, in whatever launch mode this script runs in.
 
     python faults.py <scenario>                                                   # spawn
-    mpiexec -n 1 python faults.py <scenario> : -n 2 python -m clusterenv_core.worker mpi   # MPMD
+    mpiexec -n 1 python faults.py <scenario> : -n 2 python -m clusterenv_core.worker   # MPMD
     mpiexec -n 3 python faults.py <scenario>                                      # SPMD
 
 Rank 0 prints ``OK <scenario> ...`` lines the tests look for, and ``WORKERS <pid> <pid>`` with the
