@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from gymnasium import spaces
 
-from clusterenv_core.spaces import Field, SpaceLayout
+from clusterenv_core.spaces import GYMNASIUM_DICT, Field, SpaceLayout
 
 _ALIGN = 64  # cache-line alignment keeps two workers' writes to neighbouring fields apart
 
@@ -27,11 +27,12 @@ class BatchSpec:
     action_space: spaces.Space
 
     def layouts(self) -> tuple[SpaceLayout, SpaceLayout, SpaceLayout]:
-        """Layouts of observations, final observations and actions."""
+        """Layouts of observations, final observations and actions (envs get Dict actions as
+        gymnasium's vector envs hand them over)."""
         return (
             SpaceLayout(self.observation_space, "obs"),
             SpaceLayout(self.observation_space, "final_obs"),
-            SpaceLayout(self.action_space, "act"),
+            SpaceLayout(self.action_space, "act", dict_type=GYMNASIUM_DICT),
         )
 
     def fields(self) -> list[Field]:

@@ -22,6 +22,10 @@ from gymnasium import spaces
 
 LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
+#: The mapping type of gymnasium's own Dict values (``OrderedDict`` on 0.29, ``dict`` on 1.x), in
+#: which ``SyncVectorEnv``'s ``iterate`` hands Dict actions to the envs.
+GYMNASIUM_DICT: type = type(spaces.Dict({}).spaces)
+
 
 @dataclass(frozen=True)
 class Field:
@@ -41,11 +45,13 @@ class SpaceLayout:
 
     :param space: the single-env space
     :param prefix: prefix of the field names (``"obs"``, ``"act"``, ...)
+    :param dict_type: the mapping type :meth:`read` builds for ``Dict`` spaces
     """
 
-    def __init__(self, space: spaces.Space, prefix: str) -> None:
+    def __init__(self, space: spaces.Space, prefix: str, dict_type: type = dict) -> None:
         self.space = space
         self.prefix = prefix
+        self.dict_type = dict_type
         self.fields: list[Field] = []
         # The tree mirrors the space: a field index at a leaf, ("dict", keys, children) or ("tuple", children).
         self._tree = self._build(space, prefix)
@@ -112,7 +118,7 @@ class SpaceLayout:
             value = arrays[node][row]
             return value.copy() if isinstance(value, np.ndarray) else value
         if node[0] == "dict":
-            return {key: self._read(child, arrays, row) for key, child in zip(node[1], node[2])}
+            return self.dict_type((key, self._read(child, arrays, row)) for key, child in zip(node[1], node[2]))
         return tuple(self._read(child, arrays, row) for child in node[1])
 
     def conforms(self, value: Any) -> bool:

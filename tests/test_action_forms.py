@@ -91,10 +91,14 @@ def test_vector_env_raises_the_exception_types_of_sync_vector_env(name):
     sync.close()
 
 
-sb3 = pytest.importorskip("stable_baselines3")
-from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
+def _sb3_vec_envs():
+    """SB3's DummyVecEnv and ClusterVecEnv (the SB3 tests skip where SB3 is not installed)."""
+    pytest.importorskip("stable_baselines3")
+    from stable_baselines3.common.vec_env import DummyVecEnv
 
-from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
+    from clusterenv_sb3 import ClusterVecEnv
+
+    return DummyVecEnv, ClusterVecEnv
 
 
 @pytest.mark.parametrize("name", list(ACTION_SPACES))
@@ -102,6 +106,7 @@ def test_vec_env_takes_per_env_actions_as_dummy_vec_env(name):
     env_fns = _env_fns(name)
     space = ACTION_SPACES[name]
     space.seed(5)
+    DummyVecEnv, ClusterVecEnv = _sb3_vec_envs()
     dummy, cluster = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=2)
     try:
         dummy.seed(6)
@@ -136,6 +141,7 @@ def test_vec_env_refuses_bad_per_env_actions_before_sending():
     env_fns = _env_fns("dict")
     space = ACTION_SPACES["dict"]
     space.seed(7)
+    _, ClusterVecEnv = _sb3_vec_envs()
     with ClusterVecEnv(env_fns, num_workers=2) as cluster:
         cluster.reset()
         good = [space.sample() for _ in range(NUM_ENVS)]

@@ -36,6 +36,22 @@ QUICK_RUNS = {
         "cleanrl/dqn_aaps.py", "--total-timesteps", "1500", "--learning-starts", "500", "--buffer-size", "2000",
         "--eval-episodes", "1", "--sync", "aaps",
     ],
+    # Breakout: an untrained policy ends a game within a few hundred steps (FIRE on every life).
+    "sb3_ppo_atari": [
+        "sb3_ppo_atari.py", "--env-id", "BreakoutNoFrameskip-v4", "--timesteps", "1024", "--n-envs", "4",
+        "--eval-episodes", "1",
+    ],
+    "sb3_sac_mujoco": ["sb3_sac_mujoco.py", "--timesteps", "800", "--learning-starts", "400", "--eval-episodes", "1"],
+    "cleanrl_ppo_atari": ["cleanrl/ppo_atari.py", "--total-timesteps", "2048", "--num-envs", "4", "--num-steps", "64"],
+    "cleanrl_ppo_continuous_action": ["cleanrl/ppo_continuous_action.py", "--total-timesteps", "4096", "--eval-episodes", "1"],
+}
+
+# Examples on Atari or MuJoCo need those packages (the `atari` and `mujoco` extras).
+NEEDS = {
+    "sb3_ppo_atari": "ale_py",
+    "cleanrl_ppo_atari": "ale_py",
+    "sb3_sac_mujoco": "mujoco",
+    "cleanrl_ppo_continuous_action": "mujoco",
 }
 
 EXPECTED_OUTPUT = {
@@ -46,11 +62,17 @@ EXPECTED_OUTPUT = {
     "cleanrl_ppo_aaps_behaviour_ratio": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_dqn": ["greedy policy, mean return over 1 episodes"],
     "cleanrl_dqn_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
+    "sb3_ppo_atari": ["trained 1024 steps", "mean score over 1 games"],
+    "sb3_sac_mujoco": ["trained 800 steps", "mean return over 1 episodes"],
+    "cleanrl_ppo_atari": ["trained 2048 steps", "mean score of the last"],
+    "cleanrl_ppo_continuous_action": ["trained 4096 steps", "deterministic policy, mean return over 1 episodes"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(QUICK_RUNS))
 def test_example_runs(name, tmp_path):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     script, *args = QUICK_RUNS[name]
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300

@@ -3,10 +3,11 @@
 Usage: ``python user_registrations.py <backend> <check> [<check> ...]``, also under mpiexec (a world
 launch serves one pool: give it one check). Rank 0 prints ``OK <check>`` for each check that passed.
 
-Checks: ``main_class`` (entry point a class of this script, with kwargs and max_episode_steps,
-through SB3's make_vec_env), ``module_string`` (``"user_envs:ModuleEnv"``), ``main_string``
-(``"__main__:MainEnv"``), ``vector`` (ClusterVectorEnv against SyncVectorEnv), ``override`` (this
-script re-registers CartPole-v1 with another time limit), ``ale`` (ids ale_py registers on import).
+Checks, each against the single-process baseline: ``main_class`` (entry point a class of this
+script, with kwargs and max_episode_steps), ``module_string`` (``"user_envs:ModuleEnv"``) and
+``main_string`` (``"__main__:MainEnv"``) through SB3's make_vec_env; ``vector`` (all three with
+ClusterVectorEnv against SyncVectorEnv); ``override`` (this script re-registers CartPole-v1 with
+another time limit); ``ale`` (ids ale_py registers on import).
 """
 
 from __future__ import annotations
@@ -72,25 +73,36 @@ def sb3_side_by_side(env_id: str, backend: str, steps: int = 200) -> None:
         dummy.close()
 
 
-def vector(backend: str) -> None:
+def vector_side_by_side(env_id: str, backend: str, steps: int = 200) -> None:
+    """ClusterVectorEnv against SyncVectorEnv on ``gym.make(env_id)``: identical results and specs."""
     from clusterenv_cleanrl import ClusterVectorEnv
 
-    env_fns = [functools.partial(gym.make, "UserModule-v0")] * 4
+    env_fns = [functools.partial(gym.make, env_id)] * 4
     cluster = ClusterVectorEnv(env_fns, backend=backend, num_workers=2)
     sync = gym.vector.SyncVectorEnv(env_fns)
     with cluster:
         assert_same(cluster.reset(seed=1), sync.reset(seed=1), "reset")
         sync.action_space.seed(1)
-        for step in range(200):
+        ended = 0
+        for step in range(steps):
             actions = sync.action_space.sample()
-            assert_same(cluster.step(actions), sync.step(actions), f"step {step}")
+            expected = sync.step(actions)
+            assert_same(cluster.step(actions), expected, f"step {step}")
+            ended += int(expected[2].sum() + expected[3].sum())
+        assert ended > 10, ended
+        assert cluster.get_attr("spec") == sync.get_attr("spec")
     sync.close()
+
+
+def vector(backend: str) -> None:
+    for env_id in ("UserMain-v0", "UserModule-v0", "UserMainString-v0"):
+        vector_side_by_side(env_id, backend)
 
 
 def override(backend: str) -> None:
     spec = gym.spec("CartPole-v1")
     gym.register("CartPole-v1", entry_point=spec.entry_point, max_episode_steps=13, reward_threshold=9.0)
-    sb3_side_by_side("CartPole-v1", backend)
+    vector_side_by_side("CartPole-v1", backend)
 
 
 def ale(backend: str) -> None:
@@ -98,7 +110,8 @@ def ale(backend: str) -> None:
 
     from clusterenv_cleanrl import ClusterVectorEnv
 
-    gym.register_envs(ale_py)
+    if hasattr(gym, "register_envs"):  # gymnasium 1.x; on 0.29 the import registers them
+        gym.register_envs(ale_py)
     env_fns = [functools.partial(gym.make, "ALE/Pong-v5", frameskip=4)] * 2
     cluster = ClusterVectorEnv(env_fns, backend=backend, num_workers=2)
     sync = gym.vector.SyncVectorEnv(env_fns)
