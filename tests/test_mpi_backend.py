@@ -256,6 +256,15 @@ def test_worker_program_that_cannot_serve_ends_the_job_within_seconds(worker, re
     assert seconds < 20, f"the job took {seconds:.1f} s to end"
 
 
+def test_learner_gives_up_on_a_rank_that_never_starts_mpi(monkeypatch):
+    """A worker program that dies before any of ClusterEnv runs (here: at once) cannot abort the
+    job; the learner's wait in MPI_Init is bounded by the connect timeout instead."""
+    monkeypatch.setenv("CLUSTERENV_MPI_CONNECT_TIMEOUT", "5")
+    code, output, seconds = launch("mpmd", "contract.py", "cartpole", worker=[sys.executable, "-c", "raise SystemExit(1)"], timeout=60)
+    assert code != 0 and "Timeout" in output and "in _mpi" in output, output
+    assert seconds < 30, f"the job took {seconds:.1f} s to end"
+
+
 def test_worker_program_outside_an_mpi_job_says_how_to_launch_it():
     result = subprocess.run(
         [sys.executable, "-m", "clusterenv_core.worker", "mpi"], capture_output=True, text=True, timeout=120

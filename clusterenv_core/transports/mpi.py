@@ -173,6 +173,7 @@ def _mpi(worker: bool = False) -> Any:
         return _State.MPI
     import mpi4py
 
+    watchdog = False
     if "mpi4py.MPI" not in sys.modules:
         if worker:
             # Worker ranks are ours and single-threaded.
@@ -181,7 +182,16 @@ def _mpi(worker: bool = False) -> Any:
             # A singleton that may spawn: finalize ourselves, so a lost worker can skip it.
             mpi4py.rc.finalize = False
             _State.owns_finalize = True
-    from mpi4py import MPI
+        elif _connect_timeout() > 0:
+            # The learner of an MPI job waits in MPI_Init (in C) for every rank; a rank whose program
+            # died before reaching MPI must not leave it there forever.
+            faulthandler.dump_traceback_later(_connect_timeout(), exit=True)
+            watchdog = True
+    try:
+        from mpi4py import MPI
+    finally:
+        if watchdog:
+            faulthandler.cancel_dump_traceback_later()
 
     _State.MPI = MPI
     if not worker:
