@@ -20,7 +20,7 @@ Measured, each for ``--seconds``:
 
 - ``central_steps_per_s``: env steps/s of the loop ``actions = policy(obs); obs = venv.step(actions)``
   (``central_step_ms``: one iteration);
-- ``rollout_steps_per_s``: env steps/s of back-to-back ``pool.rollout(n_steps)`` calls, policy on the
+- ``rollout_steps_per_s``: env steps/s of back-to-back ``actors.rollout(n_steps)`` calls, policy on the
   workers (``rollout_segment_ms``: one segment of ``n_steps`` x ``num_envs`` steps);
 - ``ratio``: rollout / central steps/s.
 """
@@ -39,7 +39,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import gymnasium as gym  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
@@ -87,13 +86,13 @@ def central(venv: ClusterVecEnv, policy: MLPPolicy, seconds: float, max_steps: i
 def rollouts(venv: ClusterVecEnv, policy: MLPPolicy, n_steps: int, seconds: float, max_segments: int) -> tuple[float, float]:
     """(env steps/s, ms per segment) of worker-side rollouts."""
     pool = venv.pool
-    pool.deploy(policy, seed=0)
-    pool.rollout(n_steps)  # warm-up: workers import torch and build their policy copy
+    actors = pool.deploy(policy, seed=0)
+    actors.rollout(n_steps)  # warm-up: workers import torch and build their policy copy
     segments = 0
     started = time.perf_counter()
     deadline = started + seconds
     while segments < max_segments and time.perf_counter() < deadline:
-        pool.rollout(n_steps)
+        actors.rollout(n_steps)
         segments += 1
     elapsed = time.perf_counter() - started
     return segments * n_steps * pool.num_envs / elapsed, 1e3 * elapsed / segments

@@ -102,8 +102,8 @@ def main() -> None:
                     flush=True,
                 )
     print()
-    print(f"| env | envs | vec env | steps/s | vs DummyVecEnv | construct (s) |")
-    print(f"|---|---:|---|---:|---:|---:|")
+    print("| env | envs | vec env | steps/s | vs DummyVecEnv | construct (s) |")
+    print("|---|---:|---|---:|---:|---:|")
     for row in results:
         print(
             f"| {row['env']} | {row['num_envs']} | {row['vec_env']} | {row['steps_per_s']:,.0f} |"

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from clusterenv_core.aaps import PolicySync
+from clusterenv_core.checks import check_int
 from clusterenv_core.pool import EnvPool
 from clusterenv_core.rollout import Rollout
 
@@ -340,17 +341,16 @@ class WorkerRollouts:
         seed: int | None = None,
     ) -> None:
         self.pool = _pool_of(envs)
-        if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+        self.num_steps = check_int("num_steps", num_steps, minimum=1)
         self.policy = policy
-        self.num_steps = int(num_steps)
         self.num_envs = self.pool.num_envs
         self.overlap = bool(overlap)
-        self.sync = PolicySync(self.pool, policy, mode=sync, threshold=threshold, max_staleness=max_staleness,
-                               probe_size=probe_size)
         seeds = None if seed is None else [seed + i for i in range(self.num_envs)]
         self.pool.reset(seeds=seeds)
-        self.pool.deploy(policy, seed=seed)
+        #: the policy copies on the workers (:class:`~clusterenv_core.actors.WorkerActors`)
+        self.actors = self.pool.deploy(policy, seed=seed)
+        self.sync = PolicySync(self.actors, policy, mode=sync, threshold=threshold, max_staleness=max_staleness,
+                               probe_size=probe_size)
         #: environment steps collected so far (all envs)
         self.global_step = 0
         #: done flags after the last collected step (CleanRL's ``next_done``)
@@ -365,13 +365,13 @@ class WorkerRollouts:
         :param context: keyword arguments of the policy's ``act`` (e.g. ``{"epsilon": 0.1}``); with
             ``overlap`` it also goes to the segment started ahead
         """
-        pool = self.pool
+        actors = self.actors
         if not self._started:
-            pool.rollout_async(self.num_steps, context)
+            actors.rollout_async(self.num_steps, context)
         self._started = False
-        rollout = pool.rollout_wait()  # the pool's timeout bounds the time without progress
+        rollout = actors.rollout_wait()  # the pool's timeout bounds the time without progress
         if self.overlap:
-            pool.rollout_async(self.num_steps, context)
+            actors.rollout_async(self.num_steps, context)
             self._started = True
         self.sync.record_rollout(rollout.versions)
         if self.sync.mode == "aaps":
@@ -408,4 +408,4 @@ class WorkerRollouts:
         """Wait for a segment started ahead (its steps are dropped), so the envs can be closed or reused."""
         if self._started:
             self._started = False
-            self.pool.rollout_wait()
+            self.actors.rollout_wait()

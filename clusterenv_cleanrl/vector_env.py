@@ -10,8 +10,9 @@ environments, seeds and actions. The constructor and the results follow the inst
 - gymnasium 0.29: ``ClusterVectorEnv(env_fns, observation_space=None, action_space=None, copy=True, ...)``,
   resetting in the same step and reporting ``final_observation``/``final_info`` in the infos.
 
-Both also take the ClusterEnv keywords ``backend``, ``num_workers``, ``timeout``, the opt-in
-restarts (``restart_failed_envs``, ``restart_failed_workers``, ``max_restarts``) and backend options.
+Both also take ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout`` and the
+opt-in restarts (``restart_failed_envs``, ``restart_failed_workers``, ``max_restarts``; see
+:class:`~clusterenv_core.pool.EnvPool`), and backend options.
 
 Where it differs from ``SyncVectorEnv``: there is no ``envs`` list (the envs live on the workers;
 use :meth:`call`, :meth:`get_attr` and :meth:`set_attr`); envs receive actions in the action space's
@@ -30,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from clusterenv_core import DEFAULT_TIMEOUT, EnvPool, SpaceMismatchError, StepResult
+from clusterenv_core import EnvPool, SpaceMismatchError, StepResult
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
@@ -48,9 +49,9 @@ def _like(template: Any, batch: Any) -> Any:
     return batch
 
 
-def _start_pool(env_fns: Sequence[Callable[[], gym.Env]], **pool_kwargs: Any) -> EnvPool:
+def _start_pool(env_fns: Sequence[Callable[[], gym.Env]], autoreset_mode: str, options: dict[str, Any]) -> EnvPool:
     try:
-        return EnvPool(env_fns, **pool_kwargs)
+        return EnvPool.from_options(env_fns, autoreset_mode, **options)
     except SpaceMismatchError as error:
         # SyncVectorEnv reports envs whose spaces differ with a RuntimeError.
         raise RuntimeError(str(error)) from error
@@ -151,13 +152,9 @@ if GYMNASIUM_1:
         :param observation_mode: ``"same"``, ``"different"`` or a ``(batched, single)`` pair of spaces,
             as in ``SyncVectorEnv``; the envs' observation spaces must nevertheless be equal
         :param autoreset_mode: a ``gymnasium.vector.AutoresetMode`` or its value
-        :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
-        :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
-        :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
-        :param restart_failed_envs: replace an env that raises in ``step`` instead of raising ``EnvError``
-        :param restart_failed_workers: replace a worker that dies or hangs instead of raising
-        :param max_restarts: how many times one env or one worker may be replaced
-        :param options: backend options (see the backend's transport class)
+        :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
+            ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
+            :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
 
         A replaced env or worker ends its episodes as truncated, with the reason under the info key
         ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
@@ -169,13 +166,6 @@ if GYMNASIUM_1:
             copy: bool = True,
             observation_mode: str | tuple[gym.Space, gym.Space] = "same",
             autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
-            *,
-            backend: str = "local",
-            num_workers: int | None = None,
-            timeout: float = DEFAULT_TIMEOUT,
-            restart_failed_envs: bool = False,
-            restart_failed_workers: bool = False,
-            max_restarts: int = 3,
             **options: Any,
         ) -> None:
             custom_spaces = isinstance(observation_mode, tuple) and len(observation_mode) == 2
@@ -195,17 +185,7 @@ if GYMNASIUM_1:
             self.observation_mode = observation_mode
             self.autoreset_mode = AutoresetMode(autoreset_mode)
             self._through_wrappers = True
-            self.pool = _start_pool(
-                env_fns,
-                backend=backend,
-                num_workers=num_workers,
-                timeout=timeout,
-                autoreset_mode=_POOL_MODES[self.autoreset_mode],
-                restart_failed_envs=restart_failed_envs,
-                restart_failed_workers=restart_failed_workers,
-                max_restarts=max_restarts,
-                backend_options=options,
-            )
+            self.pool = _start_pool(env_fns, _POOL_MODES[self.autoreset_mode], options)
             try:
                 self._describe(observation_mode, custom_spaces)
             except BaseException:
@@ -345,13 +325,9 @@ else:
         :param action_space: action space of one env (default: that of the envs)
         :param copy: return copies of the observations; with ``False``, the returned observations are
             overwritten by the next ``step`` or ``reset``
-        :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
-        :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
-        :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
-        :param restart_failed_envs: replace an env that raises in ``step`` instead of raising ``EnvError``
-        :param restart_failed_workers: replace a worker that dies or hangs instead of raising
-        :param max_restarts: how many times one env or one worker may be replaced
-        :param options: backend options (see the backend's transport class)
+        :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
+            ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
+            :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
 
         A replaced env or worker ends its episodes as truncated, with the reason under the info key
         ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
@@ -363,29 +339,12 @@ else:
             observation_space: gym.Space | None = None,
             action_space: gym.Space | None = None,
             copy: bool = True,
-            *,
-            backend: str = "local",
-            num_workers: int | None = None,
-            timeout: float = DEFAULT_TIMEOUT,
-            restart_failed_envs: bool = False,
-            restart_failed_workers: bool = False,
-            max_restarts: int = 3,
             **options: Any,
         ) -> None:
             self.env_fns = env_fns
             self.copy = copy
             self._through_wrappers = False
-            self.pool = _start_pool(
-                env_fns,
-                backend=backend,
-                num_workers=num_workers,
-                timeout=timeout,
-                autoreset_mode="same_step",
-                restart_failed_envs=restart_failed_envs,
-                restart_failed_workers=restart_failed_workers,
-                max_restarts=max_restarts,
-                backend_options=options,
-            )
+            self.pool = _start_pool(env_fns, "same_step", options)
             try:
                 self._describe(observation_space, action_space)
             except BaseException:

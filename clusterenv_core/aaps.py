@@ -17,11 +17,14 @@ A policy reports its distribution with ``action_dist(obs)`` returning one of
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from clusterenv_core.errors import ClusterEnvError
 
 SYNC_MODES = ("always", "aaps", "never")
 
@@ -111,7 +114,9 @@ class SyncStats:
 class PolicySync:
     """Decides after each learner update whether the workers get the new weights.
 
-    :param pool: the :class:`~clusterenv_core.pool.EnvPool` the policy is deployed on
+    :param actors: the :class:`~clusterenv_core.actors.WorkerActors` that :meth:`EnvPool.deploy
+        <clusterenv_core.pool.EnvPool.deploy>` returned (an ``EnvPool`` with a deployed policy is
+        still taken, deprecated)
     :param policy: the learner's policy module (the one updated in place)
     :param mode: ``"always"`` (every update, the baseline), ``"aaps"`` (when the divergence exceeds
         ``threshold``) or ``"never"`` (workers keep the initial weights)
@@ -122,14 +127,25 @@ class PolicySync:
 
     def __init__(
         self,
-        pool: Any,
+        actors: Any,
         policy: Any,
         mode: str = "aaps",
         threshold: float = 0.01,
         max_staleness: int | None = None,
         probe_size: int = 256,
     ) -> None:
-        self.pool = pool
+        from clusterenv_core.pool import EnvPool
+
+        if isinstance(actors, EnvPool):  # as before WorkerActors existed
+            if actors.actors is None:
+                raise ClusterEnvError("no policy deployed on this pool: call pool.deploy(policy) first")
+            warnings.warn(
+                "PolicySync(pool, ...) is deprecated: pass the WorkerActors that pool.deploy() returns",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            actors = actors.actors
+        self.actors = actors
         self.policy = policy
         self.configure(mode, threshold, max_staleness, probe_size)
         self.deployed = copy.deepcopy(policy)
@@ -189,7 +205,7 @@ class PolicySync:
         self._note_versions()
         versions = np.asarray(versions)
         stats = self.stats
-        lag = self.pool.policy_version - versions
+        lag = self.actors.policy_version - versions
         update_lag = stats.updates - np.asarray(self._updates_at_version)[versions]
         stats.steps_collected += lag.size
         stats.policy_lag_sum += int(lag.sum())
@@ -198,8 +214,8 @@ class PolicySync:
         stats.max_update_lag = max(stats.max_update_lag, int(update_lag.max(initial=0)))
 
     def _note_versions(self) -> None:
-        """Record the update count of versions published since (also by ``pool.publish_weights``)."""
-        while len(self._updates_at_version) <= self.pool.policy_version:
+        """Record the update count of versions published since (also by ``actors.publish_weights``)."""
+        while len(self._updates_at_version) <= self.actors.policy_version:
             self._updates_at_version.append(self.stats.updates)
 
     def after_update(self) -> bool:
@@ -221,11 +237,11 @@ class PolicySync:
 
     def push(self) -> None:
         """Publish the current weights and make them the new snapshot."""
-        self.pool.publish_weights(self.policy)
+        self.actors.publish_weights(self.policy)
         self._note_versions()
         self.deployed.load_state_dict(self.policy.state_dict())
         self.stats.syncs += 1
-        self.stats.weight_bytes_sent += self.pool.weights_nbytes * self.pool.num_workers
+        self.stats.weight_bytes_sent += self.actors.weights_nbytes * self.actors.num_workers
         self.stats.updates_since_sync = 0
 
     def summary(self) -> dict[str, float]:

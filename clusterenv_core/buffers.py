@@ -90,12 +90,3 @@ class BatchBuffers:
         self.rewards = self.arrays["rewards"]
         self.terminated = self.arrays["terminated"]
         self.truncated = self.arrays["truncated"]
-
-    @classmethod
-    def allocate(cls, spec: BatchSpec) -> BatchBuffers:
-        """Buffers in private (non-shared) memory."""
-        return cls(spec, bytearray(spec.nbytes()))
-
-    def result_arrays(self) -> list[np.ndarray]:
-        """The arrays a step writes, in a fixed order (what travels back from a worker)."""
-        return [*self.obs, *self.final_obs, self.rewards, self.terminated, self.truncated]

@@ -1,17 +1,36 @@
-"""What the learner and its workers say to each other, shared by the pool, the worker and backends.
+"""The wire protocol between the learner's pool and its workers, defined once.
 
-Control messages are ``(op, payload)`` tuples, replies ``("ok", result)`` or ``("error", details)``;
-a step request is the bare :data:`STEP` so backends can send it without pickling anything. A long
-operation (a rollout segment) may send interim ``(PROGRESS, steps_done)`` replies before its reply.
+The learner sends one message at a time to a worker and reads its reply before the next (the pool
+may leave a reply unread only to read it later, in order). A message is one of the request types
+below, or the bare :data:`STEP`, which backends send without pickling anything: the action rows
+are already in the shared buffers or travel as one buffer message.
+
+A reply is ``(OK, result)``, ``(ERROR, ErrorDetails)``, or, during a long operation (a rollout
+segment), any number of interim ``(PROGRESS, steps_done)`` before the final one. What else travels
+is declared per request type, so that backends move it without knowing any operation:
+
+- ``REPLY_ROWS``: an ``OK`` reply is followed by the worker's result rows (observations, rewards,
+  flags): ``WorkerConnection.send_rows`` / ``Transport.recv_rows``.
+- ``REQUEST_ARRAYS``: the message is followed by arrays of a region (policy weights), when the
+  backend does not share memory: ``Transport.send_arrays`` / ``WorkerConnection.recv_arrays``.
+- ``REPLY_ARRAYS``: an ``OK`` reply is followed by arrays of a region (the worker's rows of a
+  rollout segment): ``WorkerConnection.send_arrays`` / ``Transport.recv_arrays``.
+
+Adding an operation means a request type here, a handler in :mod:`clusterenv_core.worker` and its
+use in the pool; backends stay as they are.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 STEP = "step"
+"""The step request: every env of the block steps with its action row."""
 
+OK = "ok"
+ERROR = "error"
 PROGRESS = "progress"
 """Status of an interim reply: the worker is still working (and how far it got). Waits on it
 restart their timeout, so a timeout bounds the time without progress, not the whole operation."""
@@ -20,6 +39,160 @@ AUTORESET_MODES = ("same_step", "next_step", "disabled")
 
 RESTART_INFO_KEY = "clusterenv_restart"
 """Info key of a step whose episode was cut short because its env or worker was replaced; the value says why."""
+
+
+class Request:
+    """Base of the request types: what the backends may ask of one."""
+
+    REPLY_ROWS: ClassVar[bool] = False
+    REQUEST_ARRAYS: ClassVar[bool] = False
+    REPLY_ARRAYS: ClassVar[bool] = False
+
+
+# Request types. Env positions (``slots``) count from the worker's first env, 0 to block size - 1.
+
+
+@dataclass(frozen=True)
+class Init(Request):
+    """Build the block's envs; the reply is :class:`BlockDescription`."""
+
+    env_fns: list[bytes]  # cloudpickled factories, one per env of the block
+    first_index: int  # global index of the block's first env
+    autoreset_mode: str
+    max_env_restarts: int  # how often one env that raises in step may be rebuilt (0: never)
+    restarted: bool  # the block replaces a lost worker's
+    sys_path: list[str]  # the learner's import path
+    registry: list  # the learner's env registry (clusterenv_core.registry.ShippedSpec)
+
+
+@dataclass(frozen=True)
+class Attach(Request):
+    """Map the batch buffers laid out by ``spec``; ``block`` holds the worker's global env indices."""
+
+    spec: Any  # clusterenv_core.buffers.BatchSpec
+    block: range
+
+
+@dataclass(frozen=True)
+class Actions(Request):
+    """The next step's actions of a space without buffers, one object per env of the block."""
+
+    actions: list
+
+
+@dataclass(frozen=True)
+class Reset(Request):
+    """Reset the envs selected by ``mask`` (all when ``None``); the reply's result is a
+    :class:`StepParts` dict (infos, pickled observations) or ``None``."""
+
+    REPLY_ROWS: ClassVar[bool] = True
+
+    seeds: list
+    options: list
+    mask: list[bool] | None
+
+
+@dataclass(frozen=True)
+class Deploy(Request):
+    """Load the cloudpickled ``policy`` and map its weights region."""
+
+    REQUEST_ARRAYS: ClassVar[bool] = True  # the weights, where memory is not shared (``deliver``)
+
+    policy: bytes
+    weights_handle: Any
+    count: int  # number of weights
+    seed: int | None  # of the worker's torch generator
+    deliver: bool  # the weights follow as arrays
+
+
+@dataclass(frozen=True)
+class Weights(Request):
+    """New weights follow as arrays (backends that do not share memory)."""
+
+    REQUEST_ARRAYS: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Rollout(Request):
+    """Collect ``n_steps`` steps of every env with the deployed policy into the region ``handle``;
+    the result is ``{"steps": {t: StepParts}}`` or ``None``, and the segment's rows follow."""
+
+    REPLY_ROWS: ClassVar[bool] = True  # the observations after the segment
+    REPLY_ARRAYS: ClassVar[bool] = True  # the worker's rows of the segment region
+
+    n_steps: int
+    context: dict
+    handle: Any
+    block: range
+    num_envs: int
+    report_every: float  # seconds between PROGRESS replies
+
+
+@dataclass(frozen=True)
+class Call(Request):
+    """Call (or get, if not callable) attribute ``name`` of the envs at ``slots``; one result each."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+    slots: list[int]
+    require_callable: bool
+
+
+@dataclass(frozen=True)
+class GetAttr(Request):
+    name: str
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class SetAttr(Request):
+    name: str
+    values: list
+    slots: list[int]
+    through_wrappers: bool
+
+
+@dataclass(frozen=True)
+class IsWrapped(Request):
+    wrapper_class: type
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class Close(Request):
+    """Close the envs and exit after replying."""
+
+
+# Replies.
+
+
+class BlockDescription(NamedTuple):
+    """What a worker reports once its envs exist."""
+
+    spaces: list  # (observation_space, action_space) of each env
+    metadata: dict
+    render_mode: str | None
+    spec: Any
+
+
+class ErrorDetails(NamedTuple):
+    """A failure on a worker, by the env it happened in."""
+
+    env_index: int | None
+    operation: str
+    exc_type: str  # qualified name of the exception's type
+    message: str
+    traceback: str
+
+
+# The result of a step or reset (and of each rollout step) names what could not go through the
+# buffers, each part only when not empty: "infos", "reset_infos", "final_obs" (final observations
+# that do not fit the buffers) and "obs" (observations of spaces without buffers), each a dict by
+# global env index.
+StepParts = dict
+
+OK_NONE = (OK, None)
 
 
 def dumps(obj: Any) -> bytes:

@@ -37,9 +37,20 @@ class RolloutArrays:
     :param arrays: views made from :func:`rollout_fields`
     :param obs_layout: layout of the observation space
     :param act_layout: layout of the action space
+    :param handle: the region's handle from the backend (learner side)
+    :param row0: the row of the worker's first env in the views (worker side)
     """
 
-    def __init__(self, arrays: dict[str, np.ndarray], obs_layout: SpaceLayout, act_layout: SpaceLayout) -> None:
+    def __init__(
+        self,
+        arrays: dict[str, np.ndarray],
+        obs_layout: SpaceLayout,
+        act_layout: SpaceLayout,
+        handle: Any = None,
+        row0: int = 0,
+    ) -> None:
+        self.handle = handle
+        self.row0 = row0
         self.all = list(arrays.values())
         self.obs = [arrays[f"r.{f.name}"] for f in obs_layout.fields]
         self.final_obs = [arrays[f"r.final_{f.name}"] for f in obs_layout.fields]

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from clusterenv_core.errors import SpaceMismatchError
+
 LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 #: The mapping type of gymnasium's own Dict values (``OrderedDict`` on 0.29, ``dict`` on 1.x), in
@@ -244,3 +246,21 @@ def _as_field_array(field: Field, batch: Any, num_envs: int) -> np.ndarray:
     elif field.dtype.kind in "fc" and array.dtype.kind not in "biufc":
         raise ValueError(f"{field.name}: dtype {array.dtype} is not numeric")
     return array
+
+
+def common_spaces(per_env: list[tuple[spaces.Space, spaces.Space]]) -> tuple[spaces.Space, spaces.Space]:
+    """The ``(observation_space, action_space)`` every env shares (env 0's), or
+    :class:`~clusterenv_core.errors.SpaceMismatchError` naming the first env that differs."""
+    observation_space, action_space = per_env[0]
+    for index, (env_observation_space, env_action_space) in enumerate(per_env):
+        if env_observation_space != observation_space:
+            raise SpaceMismatchError(
+                f"env {index} has observation space {env_observation_space}, env 0 has {observation_space}: "
+                "all envs of a pool must share their spaces"
+            )
+        if env_action_space != action_space:
+            raise SpaceMismatchError(
+                f"env {index} has action space {env_action_space}, env 0 has {action_space}: "
+                "all envs of a pool must share their spaces"
+            )
+    return observation_space, action_space

@@ -1,9 +1,15 @@
-"""The worker loop: owns a contiguous block of environments and executes the learner's commands.
+"""The worker: owns a contiguous block of environments and serves the learner's requests.
 
 It is backend-agnostic: a :class:`~clusterenv_core.transports.base.WorkerConnection` brings the
-messages, and results are written into the batch buffers the connection maps. Run as
-``python -m clusterenv_core.worker [<backend> [backend arguments]]`` (see :mod:`clusterenv_core.launch`);
-the local backend starts it that way, and MPI jobs start it as the worker program of an MPMD launch.
+requests of :mod:`clusterenv_core.protocol`, and results are written into the batch buffers the
+connection maps. :data:`HANDLERS` maps each request type to its handler; the step is the one fast
+path beside it. Run as ``python -m clusterenv_core.worker [<backend> [backend arguments]]`` (see
+:mod:`clusterenv_core.launch`); the local backend starts it that way, and MPI jobs start it as the
+worker program of an MPMD launch.
+
+Three index spaces meet here: an env's *index* counts over the whole pool, its *slot* over this
+block (0 for the block's first env), and its *row* over the buffers the connection mapped (the
+local backend maps every env's rows, so row = block start + slot; MPI maps the block's only).
 
 Autoreset modes (what a step does for an env whose episode ended):
 
@@ -27,35 +33,39 @@ if __name__ == "__main__":
 import pickle
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from clusterenv_core import registry
-from clusterenv_core.protocol import PROGRESS, RESTART_INFO_KEY, STEP
+from clusterenv_core import protocol, registry
+from clusterenv_core.protocol import ERROR, OK, PROGRESS, RESTART_INFO_KEY, ErrorDetails
 from clusterenv_core.transports.base import WorkerConnection
 
 
 class RemoteFailure(Exception):
-    """Raised inside the worker to report a failure with the env it happened in."""
+    """Raised inside the worker to report a failure with the env it happened in.
 
-    def __init__(self, row: int | None, operation: str, error: BaseException) -> None:
+    :param slot: the env's slot in the block, or ``None`` for the worker as a whole
+    """
+
+    def __init__(self, slot: int | None, operation: str, error: BaseException) -> None:
         super().__init__(operation)
-        self.row = row
+        self.slot = slot
         self.operation = operation
         self.error = error
 
     def reply(self, first_index: int) -> tuple:
         error = self.error
         return (
-            "error",
-            {
-                "env_index": None if self.row is None else first_index + self.row,
-                "operation": self.operation,
-                "type": f"{type(error).__module__}.{type(error).__qualname__}",
-                "message": str(error),
-                "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
-            },
+            ERROR,
+            ErrorDetails(
+                env_index=None if self.slot is None else first_index + self.slot,
+                operation=self.operation,
+                exc_type=f"{type(error).__module__}.{type(error).__qualname__}",
+                message=str(error),
+                traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            ),
         )
 
 
@@ -79,35 +89,38 @@ class EnvBlock:
         self.autoreset_mode = autoreset_mode
         self.max_env_restarts = max_env_restarts
         self.env_restarts = [0] * len(env_fns)
-        self.envs = [self._make_env(row) for row in range(len(env_fns))]
+        self.envs = [self._make_env(slot) for slot in range(len(env_fns))]
         # next_step mode: envs to reset at their next step.
         self.needs_reset = np.full(len(self.envs), restarted and autoreset_mode == "next_step")
         self.pending_actions: list | None = None  # actions of spaces without buffers, sent before the step
         self.last_pickled_obs: list = [None] * len(self.envs)  # observations of spaces without buffers
-        self.buffers = None
+        # Set by attach(): the buffers, the row of slot 0 in them, and fast accessors.
+        self.buffers: Any = None
         self.row0 = 0
-        self.host = None  # the deployed policy copy, for rollouts
-        self.rollout_regions: dict = {}
+        self.rows = slice(0, 0)
+        self.obs_layout: Any = None
+        self.final_layout: Any = None
+        self.write_obs: Callable[[int, Any], None] | None = None
+        self.read_obs: Callable[[int], Any] | None = None
+        self.write_final_obs: Callable[[int, Any], None] | None = None
+        self.read_action: Callable[[int], Any] | None = None
 
-    def _make_env(self, row: int) -> Any:
+    def _make_env(self, slot: int) -> Any:
         try:
-            return self.env_fns[row]()
+            return self.env_fns[slot]()
         except Exception as error:
-            raise RemoteFailure(row, "creating the env", error) from error
+            raise RemoteFailure(slot, "creating the env", error) from error
 
-    def describe(self) -> dict:
+    def describe(self) -> protocol.BlockDescription:
         """Spaces of every env and the metadata of the first, for the learner to check and lay out buffers."""
         first = self.envs[0]
-        return {
-            "spaces": [(env.observation_space, env.action_space) for env in self.envs],
-            "metadata": first.metadata,
-            "render_mode": first.render_mode,
-            "spec": first.spec,
-        }
+        spaces = [(env.observation_space, env.action_space) for env in self.envs]
+        return protocol.BlockDescription(spaces, first.metadata, first.render_mode, first.spec)
 
-    def attach(self, buffers, row0: int) -> None:
+    def attach(self, buffers: Any, row0: int) -> None:
         self.buffers = buffers
         self.row0 = row0
+        self.rows = slice(row0, row0 + len(self.envs))
         self.obs_layout = buffers.obs_layout
         self.final_layout = buffers.final_obs_layout
         self.write_obs = buffers.obs_layout.writer(buffers.obs)
@@ -117,7 +130,6 @@ class EnvBlock:
             self.read_action = buffers.act_layout.reader(buffers.actions)
         else:
             self.read_action = lambda row: self.pending_actions[row - self.row0]
-        self.rows = slice(row0, row0 + len(self.envs))
 
     def step(self) -> dict | None:
         """Step every env with its action row; returns what could not go through the buffers."""
@@ -130,10 +142,10 @@ class EnvBlock:
         final_obs: dict[int, Any] = {}
         pickled_obs: dict[int, Any] = {}
         row = self.row0
-        for j, env in enumerate(self.envs):
-            index = self.first_index + j
+        for slot, env in enumerate(self.envs):
+            index = self.first_index + slot
             try:
-                if next_step and self.needs_reset[j]:
+                if next_step and self.needs_reset[slot]:
                     obs, info = env.reset()
                     reward, term, trunc = 0.0, False, False
                 else:
@@ -148,17 +160,17 @@ class EnvBlock:
                         if reset_info:
                             reset_infos[index] = reset_info
                     elif next_step:
-                        self.needs_reset[j] = True
+                        self.needs_reset[slot] = True
                 elif next_step:
-                    self.needs_reset[j] = False
+                    self.needs_reset[slot] = False
             except Exception as error:
-                if self.env_restarts[j] >= self.max_env_restarts:
-                    raise RemoteFailure(j, "step", error) from error
-                obs, reward, term, trunc, info = self._replace_env(j, error, final_obs, reset_infos)
+                if self.env_restarts[slot] >= self.max_env_restarts:
+                    raise RemoteFailure(slot, "step", error) from error
+                obs, reward, term, trunc, info = self._replace_env(slot, error, final_obs, reset_infos)
             if buffered_obs:
                 write_obs(row, obs)
             else:
-                pickled_obs[index] = self.last_pickled_obs[j] = obs
+                pickled_obs[index] = self.last_pickled_obs[slot] = obs
             rewards.append(reward)
             terminations.append(term)
             truncations.append(trunc)
@@ -170,76 +182,74 @@ class EnvBlock:
         buffers.rewards[self.rows] = rewards
         buffers.terminated[self.rows] = terminations
         buffers.truncated[self.rows] = truncations
-        return _payload(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
+        return _parts(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
 
-    def _replace_env(self, j: int, error: Exception, final_obs: dict, reset_infos: dict) -> tuple:
+    def _replace_env(self, slot: int, error: Exception, final_obs: dict, reset_infos: dict) -> tuple:
         """Swap a raising env for a new one; the interrupted episode ends truncated.
 
         The episode's last observation is the one from before the failed step. In ``same_step``
         mode the new env is reset now; otherwise it resets at its next step (``next_step``) or
         when the caller resets it (``disabled``).
         """
-        self.env_restarts[j] += 1
-        row, index = self.row0 + j, self.first_index + j
-        previous_obs = self.read_obs(row) if self.obs_layout.buffered else self.last_pickled_obs[j]
+        self.env_restarts[slot] += 1
+        row, index = self.row0 + slot, self.first_index + slot
+        previous_obs = self.read_obs(row) if self.obs_layout.buffered else self.last_pickled_obs[slot]
         try:
-            self.envs[j].close()
+            self.envs[slot].close()
         except Exception:
             pass  # the env is already broken; its replacement matters, not its last words
-        self.envs[j] = self._make_env(j)
+        self.envs[slot] = self._make_env(slot)
         reason = (
             f"env {index} raised {type(error).__name__}: {error}; "
-            f"replaced by a new env (restart {self.env_restarts[j]} of {self.max_env_restarts})"
+            f"replaced by a new env (restart {self.env_restarts[slot]} of {self.max_env_restarts})"
         )
         obs = previous_obs
         if self.autoreset_mode == "same_step":
             final_obs[index] = previous_obs
             try:
-                obs, reset_info = self.envs[j].reset()
+                obs, reset_info = self.envs[slot].reset()
             except Exception as reset_error:
-                raise RemoteFailure(j, "reset of a replaced env", reset_error) from reset_error
+                raise RemoteFailure(slot, "reset of a replaced env", reset_error) from reset_error
             if reset_info:
                 reset_infos[index] = reset_info
         else:
-            self.needs_reset[j] = self.autoreset_mode == "next_step"
+            self.needs_reset[slot] = self.autoreset_mode == "next_step"
         return obs, 0.0, False, True, {RESTART_INFO_KEY: reason}
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options."""
         infos: dict[int, dict] = {}
         pickled_obs: dict[int, Any] = {}
-        for j, env in enumerate(self.envs):
-            if mask is not None and not mask[j]:
+        for slot, env in enumerate(self.envs):
+            if mask is not None and not mask[slot]:
                 continue
             try:
-                obs, info = env.reset(seed=seeds[j], options=options[j])
+                obs, info = env.reset(seed=seeds[slot], options=options[slot])
             except Exception as error:
-                raise RemoteFailure(j, "reset", error) from error
-            self.needs_reset[j] = False
-            index = self.first_index + j
+                raise RemoteFailure(slot, "reset", error) from error
+            self.needs_reset[slot] = False
+            index = self.first_index + slot
             if self.obs_layout.buffered:
-                self.write_obs(self.row0 + j, obs)
+                self.write_obs(self.row0 + slot, obs)
             else:
-                pickled_obs[index] = self.last_pickled_obs[j] = obs
+                pickled_obs[index] = self.last_pickled_obs[slot] = obs
             if info:
                 infos[index] = info
-        return _payload(infos=infos, obs=pickled_obs)
+        return _parts(infos=infos, obs=pickled_obs)
 
-    def rollout(
-        self, n_steps: int, context: dict, host, arrays, report: Callable[[int], None], report_every: float
-    ) -> dict | None:
+    def rollout(self, n_steps: int, context: dict, host, arrays, report: Callable[[int], None], report_every: float) -> dict | None:
         """Run ``n_steps`` steps of every env, acting with the local policy copy, into ``arrays``
         (a :class:`~clusterenv_core.rollout.RolloutArrays` whose rows start at ``arrays.row0``).
 
         Each step goes through :meth:`step`, so autoreset, restarts and infos behave as in a
-        learner-driven step; returns the non-empty step payloads by step index. ``report(steps)``
+        learner-driven step; returns the non-empty step results by step index. ``report(steps)``
         runs after a step when ``report_every`` seconds passed since the start or the last report.
         """
         next_report = time.monotonic() + report_every
         buffers, rows = self.buffers, self.rows
         segment = slice(arrays.row0, arrays.row0 + len(self.envs))
-        (actions,) = buffers.actions  # deploy checked that the action space is one field
-        payloads: dict[int, dict] = {}
+        (actions,) = buffers.actions  # deploying checked that the action space is one field
+        steps: dict[int, dict] = {}
         for t in range(n_steps):
             version = host.refresh()
             current = [array[rows] for array in buffers.obs]
@@ -254,30 +264,30 @@ class EnvBlock:
             for name in ("log_probs", "values"):
                 if name in out:
                     getattr(arrays, name)[segment, t] = out[name].reshape(-1)
-            payload = self.step()
+            parts = self.step()
             for name in ("rewards", "terminated", "truncated"):
                 getattr(arrays, name)[segment, t] = getattr(buffers, name)[rows]
             for kept, final in zip(arrays.final_obs, buffers.final_obs):
                 kept[segment, t] = final[rows]
             arrays.versions[segment, t] = version
-            if payload:
-                payloads[t] = payload
+            if parts:
+                steps[t] = parts
             if t + 1 < n_steps and time.monotonic() >= next_report:
                 report(t + 1)
                 next_report = time.monotonic() + report_every
         for kept, now in zip(arrays.last_obs, buffers.obs):
             kept[segment] = now[rows]
-        return {"steps": payloads} if payloads else None
+        return {"steps": steps} if steps else None
 
-    def call(self, name: str, args: tuple, kwargs: dict, rows: list[int], require_callable: bool) -> list:
+    def call(self, name: str, args: tuple, kwargs: dict, slots: list[int], require_callable: bool) -> list:
         """Look ``name`` up through the wrappers of each selected env; call it if callable.
 
         With ``require_callable`` (SB3's ``env_method``) a non-callable attribute is an error.
         """
         results = []
-        for j in rows:
+        for slot in slots:
             try:
-                attribute = _get_wrapper_attr(self.envs[j], name)
+                attribute = _get_wrapper_attr(self.envs[slot], name)
                 if callable(attribute):
                     results.append(attribute(*args, **kwargs))
                 elif require_callable:
@@ -285,35 +295,35 @@ class EnvBlock:
                 else:
                     results.append(attribute)
             except Exception as error:
-                raise RemoteFailure(j, f"call {name}", error) from error
+                raise RemoteFailure(slot, f"call {name}", error) from error
         return results
 
-    def get_attr(self, name: str, rows: list[int]) -> list:
+    def get_attr(self, name: str, slots: list[int]) -> list:
         results = []
-        for j in rows:
+        for slot in slots:
             try:
-                results.append(_get_wrapper_attr(self.envs[j], name))
+                results.append(_get_wrapper_attr(self.envs[slot], name))
             except Exception as error:
-                raise RemoteFailure(j, f"get_attr {name}", error) from error
+                raise RemoteFailure(slot, f"get_attr {name}", error) from error
         return results
 
-    def set_attr(self, name: str, values: list, rows: list[int], through_wrappers: bool) -> None:
+    def set_attr(self, name: str, values: list, slots: list[int], through_wrappers: bool) -> None:
         """Set ``name`` on each selected env: on the outer wrapper (SB3, gymnasium 0.29) or, with
         ``through_wrappers``, on the wrapper that already defines it (gymnasium 1.x ``set_wrapper_attr``)."""
-        for j, value in zip(rows, values):
-            env = self.envs[j]
+        for slot, value in zip(slots, values):
+            env = self.envs[slot]
             try:
                 if through_wrappers and hasattr(env, "set_wrapper_attr"):
                     env.set_wrapper_attr(name, value)
                 else:
                     setattr(env, name, value)
             except Exception as error:
-                raise RemoteFailure(j, f"set_attr {name}", error) from error
+                raise RemoteFailure(slot, f"set_attr {name}", error) from error
 
-    def is_wrapped(self, wrapper_class: type, rows: list[int]) -> list[bool]:
+    def is_wrapped(self, wrapper_class: type, slots: list[int]) -> list[bool]:
         results = []
-        for j in rows:
-            env = self.envs[j]
+        for slot in slots:
+            env = self.envs[slot]
             found = False
             while hasattr(env, "env"):
                 if isinstance(env, wrapper_class):
@@ -325,11 +335,11 @@ class EnvBlock:
 
     def close(self) -> None:
         errors = []
-        for j, env in enumerate(self.envs):
+        for slot, env in enumerate(self.envs):
             try:
                 env.close()
             except Exception as error:
-                errors.append(RemoteFailure(j, "close", error))
+                errors.append(RemoteFailure(slot, "close", error))
         self.envs = []
         if errors:
             raise errors[0]
@@ -342,138 +352,174 @@ def _get_wrapper_attr(env: Any, name: str) -> Any:
     return getattr(env, name)
 
 
-def _payload(**parts: dict) -> dict | None:
-    """Only the non-empty parts, or ``None`` when there is nothing to send."""
+def _parts(**parts: dict) -> dict | None:
+    """Only the non-empty parts (a :data:`~clusterenv_core.protocol.StepParts`), or ``None``."""
     kept = {key: value for key, value in parts.items() if value}
     return kept or None
 
 
-def serve(connection: WorkerConnection) -> int:
-    """Run the worker loop until the learner says ``close`` or goes away; returns the exit code."""
-    block: EnvBlock | None = None
-    try:
+class Worker:
+    """One worker process's state: its connection, and its block of envs once created.
+
+    :param connection: the worker side of the backend
+    """
+
+    def __init__(self, connection: WorkerConnection) -> None:
+        self.connection = connection
+        self.block: EnvBlock | None = None
+        self.first_index = 0  # global index of the block's first env
+        self.host = None  # the deployed policy copy (clusterenv_core.inference.PolicyHost)
+        self.rollout_regions: dict[str, Any] = {}  # mapped segment regions, by handle
+
+    def serve(self) -> int:
+        """Answer requests until the learner says close or goes away; returns the exit code."""
+        connection = self.connection
         while True:
-            message = connection.recv()
-            if message is None:  # learner gone
+            request = connection.recv()
+            if request is None:  # learner gone
                 return 0
-            if message == STEP:
+            if type(request) is str:  # STEP, the fast path
                 try:
-                    connection.send_step(("ok", block.step()))
+                    connection.send_step((OK, self.block.step()))
                 except RemoteFailure as failure:
-                    connection.send_step(failure.reply(block.first_index))
+                    connection.send_step(failure.reply(self.first_index))
                 continue
-            op, payload = message
-            if op == "close":
-                reply: tuple = ("ok", None)
-                if block is not None:
-                    try:
-                        block.close()
-                    except RemoteFailure as failure:
-                        reply = failure.reply(block.first_index)
-                connection.send(reply)
-                return 0
+            arrays = None
             try:
-                if op == "init":
-                    block = _create_block(payload)
-                    result = block.describe()
-                else:
-                    result = _control(block, op, payload, connection)
-                reply = ("ok", result)
+                handler = HANDLERS.get(type(request))
+                if handler is None:
+                    raise ValueError(f"unknown request {request!r}")
+                result = handler(self, request)
+                if request.REPLY_ARRAYS:
+                    result, arrays = result
+                reply = (OK, result)
             except RemoteFailure as failure:
-                reply = failure.reply(payload["first_index"] if block is None else block.first_index)
+                reply = failure.reply(self.first_index)
             except Exception as error:  # a bug or a bad message: report it rather than die silently
-                reply = RemoteFailure(None, op, error).reply(0)
+                reply = RemoteFailure(None, type(request).__name__, error).reply(0)
             connection.send(reply)
-            if op == "rollout" and reply[0] == "ok":
-                arrays = _rollout_arrays(block, payload, connection)
-                connection.send_arrays([array[arrays.row0 : arrays.row0 + len(block.envs)] for array in arrays.all])
-    finally:
-        if block is not None:
+            if reply[0] == OK:
+                if request.REPLY_ROWS:
+                    connection.send_rows()
+                if arrays is not None:
+                    connection.send_arrays(arrays)
+            if isinstance(request, protocol.Close):
+                return 0
+
+    def shutdown(self) -> None:
+        """Close whatever envs are left and the connection, however serving ended."""
+        if self.block is not None:
             try:
-                block.close()
+                self.block.close()
             except RemoteFailure:
                 pass
-        connection.close()
+        self.connection.close()
 
+    # -- handlers, one per request type ------------------------------------------------------------
 
-def _create_block(payload: dict) -> EnvBlock:
-    # The learner's import path, so factories pickled by reference find their modules.
-    sys.path.extend(path for path in payload["sys_path"] if path not in sys.path)
-    registry.install(payload["registry"])
-    env_fns = []
-    for row, pickled in enumerate(payload["env_fns"]):
+    def init(self, request: protocol.Init) -> protocol.BlockDescription:
+        # The learner's import path, so factories pickled by reference find their modules, and its
+        # env registry, so ids registered there build here.
+        self.first_index = request.first_index
+        sys.path.extend(path for path in request.sys_path if path not in sys.path)
+        registry.install(request.registry)
+        env_fns = []
+        for slot, pickled in enumerate(request.env_fns):
+            try:
+                env_fns.append(pickle.loads(pickled))
+            except Exception as error:
+                raise RemoteFailure(slot, "unpickling the env factory", error) from error
+        self.block = EnvBlock(
+            env_fns, request.first_index, request.autoreset_mode, request.max_env_restarts, request.restarted
+        )
+        return self.block.describe()
+
+    def attach(self, request: protocol.Attach) -> None:
+        buffers, row0 = self.connection.attach(request.spec, request.block)
+        self.block.attach(buffers, row0)
+
+    def actions(self, request: protocol.Actions) -> None:
+        self.block.pending_actions = request.actions
+
+    def reset(self, request: protocol.Reset) -> dict | None:
+        return self.block.reset(request.seeds, request.options, request.mask)
+
+    def deploy(self, request: protocol.Deploy) -> None:
+        from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
+
+        views, _ = self.connection.map_region(request.weights_handle, weights_fields(request.count), 1, range(1))
+        weights = WeightsRegion(views)
+        if request.deliver:
+            self.connection.recv_arrays(weights.arrays)
         try:
-            env_fns.append(pickle.loads(pickled))
+            self.host = PolicyHost(request.policy, weights, request.seed)
         except Exception as error:
-            raise RemoteFailure(row, "unpickling the env factory", error) from error
-    return EnvBlock(
-        env_fns,
-        payload["first_index"],
-        payload["autoreset_mode"],
-        payload["max_env_restarts"],
-        payload["restarted"],
-    )
+            raise RemoteFailure(None, "deploying the policy", error) from error
+        self.rollout_regions = {}
 
+    def weights(self, request: protocol.Weights) -> None:
+        self.connection.recv_arrays(self.host.weights.arrays)
 
-def _deploy(block: EnvBlock, payload: dict, connection: WorkerConnection) -> None:
-    from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
-
-    views, _ = connection.map_region(payload["weights_handle"], weights_fields(payload["count"]), 1, range(1))
-    weights = WeightsRegion(views)
-    if payload["deliver"]:
-        connection.recv_arrays(weights.arrays)
-    try:
-        block.host = PolicyHost(payload["policy"], weights, payload["seed"])
-    except Exception as error:
-        raise RemoteFailure(None, "deploying the policy", error) from error
-    block.rollout_regions = {}
-
-
-def _rollout_arrays(block: EnvBlock, payload: dict, connection: WorkerConnection):
-    """The segment region the learner named, mapped on first use."""
-    from clusterenv_core.rollout import RolloutArrays, rollout_fields
-
-    handle = payload["handle"]
-    key = repr(handle)
-    if key not in block.rollout_regions:
-        fields = rollout_fields(block.buffers.spec, payload["n_steps"])
-        views, row0 = connection.map_region(handle, fields, payload["num_envs"], payload["block"])
-        arrays = RolloutArrays(views, block.obs_layout, block.buffers.act_layout)
-        arrays.row0 = row0
-        block.rollout_regions[key] = arrays
-    return block.rollout_regions[key]
-
-
-def _control(block: EnvBlock, op: str, payload: dict, connection: WorkerConnection) -> Any:
-    if op == "attach":
-        buffers, row0 = connection.attach(payload["spec"], payload["block"])
-        block.attach(buffers, row0)
-        return None
-    if op == "actions":
-        block.pending_actions = payload["actions"]
-        return None
-    if op == "reset":
-        return block.reset(payload["seeds"], payload["options"], payload["mask"])
-    if op == "deploy":
-        return _deploy(block, payload, connection)
-    if op == "weights":  # backends without shared memory deliver weights as a message
-        connection.recv_arrays(block.host.weights.arrays)
-        return None
-    if op == "rollout":
-        arrays = _rollout_arrays(block, payload, connection)
+    def rollout(self, request: protocol.Rollout) -> tuple[dict | None, list[np.ndarray]]:
+        arrays = self._segment_region(request)
 
         def report(steps: int) -> None:
-            connection.send((PROGRESS, steps))
+            self.connection.send((PROGRESS, steps))
 
-        return block.rollout(
-            payload["n_steps"], payload["context"], block.host, arrays, report, payload["report_every"]
-        )
-    if op == "call":
-        return block.call(payload["name"], payload["args"], payload["kwargs"], payload["rows"], payload["require_callable"])
-    if op == "get_attr":
-        return block.get_attr(payload["name"], payload["rows"])
-    if op == "set_attr":
-        return block.set_attr(payload["name"], payload["values"], payload["rows"], payload["through_wrappers"])
-    if op == "is_wrapped":
-        return block.is_wrapped(payload["wrapper_class"], payload["rows"])
-    raise ValueError(f"unknown command {op!r}")
+        result = self.block.rollout(request.n_steps, request.context, self.host, arrays, report, request.report_every)
+        mine = slice(arrays.row0, arrays.row0 + len(self.block.envs))
+        return result, [array[mine] for array in arrays.all]
+
+    def _segment_region(self, request: protocol.Rollout):
+        """The segment region the learner named, mapped on first use."""
+        from clusterenv_core.rollout import RolloutArrays, rollout_fields
+
+        key = repr(request.handle)
+        if key not in self.rollout_regions:
+            buffers = self.block.buffers
+            fields = rollout_fields(buffers.spec, request.n_steps)
+            views, row0 = self.connection.map_region(request.handle, fields, request.num_envs, request.block)
+            self.rollout_regions[key] = RolloutArrays(views, buffers.obs_layout, buffers.act_layout, row0=row0)
+        return self.rollout_regions[key]
+
+    def call(self, request: protocol.Call) -> list:
+        return self.block.call(request.name, request.args, request.kwargs, request.slots, request.require_callable)
+
+    def get_attr(self, request: protocol.GetAttr) -> list:
+        return self.block.get_attr(request.name, request.slots)
+
+    def set_attr(self, request: protocol.SetAttr) -> None:
+        self.block.set_attr(request.name, request.values, request.slots, request.through_wrappers)
+
+    def is_wrapped(self, request: protocol.IsWrapped) -> list[bool]:
+        return self.block.is_wrapped(request.wrapper_class, request.slots)
+
+    def close(self, request: protocol.Close) -> None:
+        block, self.block = self.block, None
+        if block is not None:
+            block.close()
+
+
+HANDLERS: dict[type, Callable[[Worker, Any], Any]] = {
+    protocol.Init: Worker.init,
+    protocol.Attach: Worker.attach,
+    protocol.Actions: Worker.actions,
+    protocol.Reset: Worker.reset,
+    protocol.Deploy: Worker.deploy,
+    protocol.Weights: Worker.weights,
+    protocol.Rollout: Worker.rollout,
+    protocol.Call: Worker.call,
+    protocol.GetAttr: Worker.get_attr,
+    protocol.SetAttr: Worker.set_attr,
+    protocol.IsWrapped: Worker.is_wrapped,
+    protocol.Close: Worker.close,
+}
+
+
+def serve(connection: WorkerConnection) -> int:
+    """Run a worker on ``connection`` until the learner says close or goes away; returns the exit code."""
+    worker = Worker(connection)
+    try:
+        return worker.serve()
+    finally:
+        worker.shutdown()

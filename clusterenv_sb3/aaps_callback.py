@@ -84,7 +84,7 @@ class AAPSCallback(BaseCallback):
         record("aaps/updates", summary["updates"])
         record("aaps/updates_since_sync", summary["updates_since_sync"])
         record("aaps/sync_ratio", summary["syncs"] / summary["updates"] if summary["updates"] else 0.0)
-        record("aaps/policy_version", sync.pool.policy_version)
+        record("aaps/policy_version", sync.actors.policy_version)
         record("aaps/mean_policy_lag", summary["mean_policy_lag"])
         record("aaps/max_policy_lag", summary["max_policy_lag"])
         record("aaps/mean_update_lag", summary["mean_update_lag"])

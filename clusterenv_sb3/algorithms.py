@@ -206,9 +206,9 @@ class WorkerInferenceMixin:
         acting = self._acting_policy()
         if sync is None or self._deployed_pool is not pool or sync.policy.acting_module() is not acting:
             learner = make_deployable(acting)
-            pool.deploy(learner.deployable_copy(), seed=self.seed)
+            actors = pool.deploy(learner.deployable_copy(), seed=self.seed)
             self._deployed_pool = pool
-            self._policy_sync = PolicySync(pool, learner, **self._sync_config)
+            self._policy_sync = PolicySync(actors, learner, **self._sync_config)
         else:
             self._apply_sync_config()
 
@@ -238,15 +238,14 @@ class WorkerInferenceMixin:
         env = check_cluster_vec_env(env, self._algorithm_name())
         if self._deployed_pool is not env.pool:
             raise RuntimeError("the policy is not deployed on this env's workers: learn() deploys it")
-        pool = env.pool
+        sync = self._policy_sync
         n_steps, context = self._segment_request()
         if self._started is None:
-            pool.rollout_async(n_steps, context)
+            sync.actors.rollout_async(n_steps, context)
         elif self._started[0] != n_steps:
             raise RuntimeError(f"a segment of {self._started[0]} steps was started ahead, {n_steps} are needed")
         self._started = None
-        rollout = pool.rollout_wait()  # the pool's timeout bounds the time without progress
-        sync = self._policy_sync
+        rollout = sync.actors.rollout_wait()  # the pool's timeout bounds the time without progress
         sync.record_rollout(rollout.versions)
         if sync.mode == "aaps":
             sync.observe(rollout.obs)
@@ -256,7 +255,7 @@ class WorkerInferenceMixin:
         """With ``overlap_collection``, start the next segment now, so it is collected while training."""
         if self.overlap_collection and self.num_timesteps < self._total_timesteps and self._started is None:
             n_steps, context = self._segment_request()
-            self.env.pool.rollout_async(n_steps, context)
+            self._policy_sync.actors.rollout_async(n_steps, context)
             self._started = (n_steps, context)
 
     def _drain_started(self) -> None:
@@ -266,7 +265,7 @@ class WorkerInferenceMixin:
             return
         self._started = None
         try:
-            rollout = self.env.pool.rollout_wait()
+            rollout = self._policy_sync.actors.rollout_wait()
         except Exception:  # the pool reports its failure at its next use
             return
         self._last_obs = _copy(rollout.last_obs)

@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
-from clusterenv_core import DEFAULT_TIMEOUT, EnvPool
+from clusterenv_core import EnvPool
 
 
 class ClusterVecEnv(VecEnv):
@@ -23,41 +23,17 @@ class ClusterVecEnv(VecEnv):
     Envs receive actions in the action space's dtype.
 
     :param env_fns: callables that build the environments (closures work: they are cloudpickled)
-    :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
-    :param num_workers: number of workers (default ``min(len(env_fns), os.cpu_count())``)
-    :param timeout: seconds a single wait for a worker may last before ``WorkerTimeoutError``
-    :param restart_failed_envs: replace an env that raises in ``step`` instead of raising ``EnvError``
-    :param restart_failed_workers: replace a worker that dies or hangs instead of raising
-    :param max_restarts: how many times one env or one worker may be replaced
-    :param options: backend options (see the backend's transport class)
+    :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
+        ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
+        :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
 
     A replaced env or worker ends its episodes as truncated (``TimeLimit.truncated`` is ``True`` and
     ``terminal_observation`` is the last observation before the failure), with the reason under the
     info key ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
     """
 
-    def __init__(
-        self,
-        env_fns: Sequence[Callable[[], gym.Env]],
-        backend: str = "local",
-        num_workers: int | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        restart_failed_envs: bool = False,
-        restart_failed_workers: bool = False,
-        max_restarts: int = 3,
-        **options: Any,
-    ) -> None:
-        self.pool = EnvPool(
-            env_fns,
-            backend=backend,
-            num_workers=num_workers,
-            timeout=timeout,
-            autoreset_mode="same_step",
-            restart_failed_envs=restart_failed_envs,
-            restart_failed_workers=restart_failed_workers,
-            max_restarts=max_restarts,
-            backend_options=options,
-        )
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **options: Any) -> None:
+        self.pool = EnvPool.from_options(env_fns, autoreset_mode="same_step", **options)
         try:
             super().__init__(self.pool.num_envs, self.pool.observation_space, self.pool.action_space)
         except BaseException:

@@ -229,8 +229,8 @@ def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights():
             b = rollouts.collect_ppo(GAMMA)
             summary = rollouts.summary()
             assert summary["updates"] == 3 and summary["syncs"] == expected_syncs
-            assert summary["weight_bytes_sent"] == expected_syncs * pool.weights_nbytes * 2
-            assert (b.versions == expected_syncs).all() and pool.policy_version == expected_syncs
+            assert summary["weight_bytes_sent"] == expected_syncs * rollouts.actors.weights_nbytes * 2
+            assert (b.versions == expected_syncs).all() and rollouts.actors.policy_version == expected_syncs
             with torch.no_grad():
                 acting = agent if mode == "always" else rollouts.sync.deployed
                 np.testing.assert_array_equal(b.actions[0].numpy(), acting.actor(b.obs[0]).argmax(-1).numpy())

@@ -44,8 +44,8 @@ def test_divergences_match_closed_forms():
     assert per_state_divergence(("categorical", p), ("categorical", p)).abs().max().item() < 1e-6
 
 
-class FakePool:
-    """Records what PolicySync publishes, without workers."""
+class FakeActors:
+    """Records what PolicySync publishes, without workers (a stand-in for WorkerActors)."""
 
     def __init__(self) -> None:
         self.policy_version = 0
@@ -68,8 +68,8 @@ def test_aaps_pushes_exactly_when_the_threshold_is_crossed():
     torch.manual_seed(0)
     policy = LinearPolicy()
     probe = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
-    pool = FakePool()
-    sync = PolicySync(pool, policy, mode="aaps", threshold=0.0)
+    actors = FakeActors()
+    sync = PolicySync(actors, policy, mode="aaps", threshold=0.0)
     sync.observe(probe, leading_dims=1)
     snapshot = sync.deployed
     _drift(policy, 0.3)
@@ -77,28 +77,28 @@ def test_aaps_pushes_exactly_when_the_threshold_is_crossed():
     assert crossing > 0
 
     sync.threshold = crossing  # equal is not above: no push
-    assert sync.after_update() is False and pool.published == []
+    assert sync.after_update() is False and actors.published == []
     assert sync.stats.last_divergence == pytest.approx(crossing)
     sync.threshold = np.nextafter(crossing, 0)  # just below: push
     assert sync.after_update() is True
-    np.testing.assert_array_equal(pool.published[-1], flatten_weights(policy))
+    np.testing.assert_array_equal(actors.published[-1], flatten_weights(policy))
     assert divergence(sync.deployed, policy, probe) == 0.0  # the snapshot is the pushed policy
     assert sync.summary()["syncs"] == 1 and sync.summary()["weight_bytes_sent"] == 40 * 3
 
 
 def test_sync_modes_and_staleness_bound():
     policy = LinearPolicy()
-    pool = FakePool()
-    always = PolicySync(pool, policy, mode="always")
-    never = PolicySync(pool, policy, mode="never")
-    stale = PolicySync(pool, policy, mode="aaps", threshold=1e9, max_staleness=3)
+    actors = FakeActors()
+    always = PolicySync(actors, policy, mode="always")
+    never = PolicySync(actors, policy, mode="never")
+    stale = PolicySync(actors, policy, mode="aaps", threshold=1e9, max_staleness=3)
     stale.observe(np.zeros((8, 4), np.float32), leading_dims=1)
     pushes = [(always.after_update(), never.after_update(), stale.after_update()) for _ in range(6)]
     assert [p[0] for p in pushes] == [True] * 6
     assert [p[1] for p in pushes] == [False] * 6
     assert [p[2] for p in pushes] == [False, False, True, False, False, True]
     with pytest.raises(ValueError):
-        PolicySync(pool, policy, mode="sometimes")
+        PolicySync(actors, policy, mode="sometimes")
 
 
 def test_flatten_and_load_weights_round_trip():
@@ -117,8 +117,8 @@ def test_rollout_equals_sequential_reference():
     expected, last_obs = reference_rollout(policy, seeds, 120)
     with EnvPool.make("CartPole-v1", 5, num_workers=2) as pool:
         pool.reset(seeds=seeds)
-        pool.deploy(policy)
-        rollout = pool.rollout(120)
+        actors = pool.deploy(policy)
+        rollout = actors.rollout(120)
         assert rollout.obs.shape == (120, 5, 4) and rollout.actions.shape == (120, 5)
         assert_rollout_matches(rollout, expected, last_obs)
         assert sum(len(s["final"]) for s in expected) > 5
@@ -132,22 +132,22 @@ def test_published_weights_reach_workers_and_versions_are_recorded():
     policy = LinearPolicy(greedy=True)
     with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
         pool.reset(seeds=[0, 1, 2, 3])
-        pool.deploy(policy)
-        assert pool.weights_nbytes == sum(p.numel() for p in policy.parameters()) * 4
-        first = pool.rollout(5)
+        actors = pool.deploy(policy)
+        assert actors.weights_nbytes == sum(p.numel() for p in policy.parameters()) * 4
+        first = actors.rollout(5)
         assert (first.versions == 0).all()
         with torch.no_grad():
             policy.linear.weight.neg_()
             policy.linear.bias.neg_()
-        assert pool.publish_weights(policy) == 1
-        second = pool.rollout(5)
+        assert actors.publish_weights(policy) == 1
+        second = actors.rollout(5)
         assert (second.versions == 1).all()
         with torch.no_grad():
             np.testing.assert_array_equal(second.actions[0], policy.linear(torch.as_tensor(second.obs[0])).argmax(-1))
         # Overlapped collection: weights published while a segment runs are used from the next step on.
-        pool.rollout_async(400)
-        pool.publish_weights(policy)
-        overlapped = pool.rollout_wait()
+        actors.rollout_async(400)
+        actors.publish_weights(policy)
+        overlapped = actors.rollout_wait()
         assert set(np.unique(overlapped.versions)) <= {1, 2}
         assert overlapped.versions[-1].tolist() == [2, 2, 2, 2]
         assert (np.diff(overlapped.versions, axis=0) >= 0).all()
@@ -157,12 +157,12 @@ def test_consecutive_segments_never_share_a_region():
     """A segment stays intact while the next one is collected (overlap), for many segments."""
     with EnvPool.make("CartPole-v1", 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
-        pool.deploy(LinearPolicy())
-        previous = pool.rollout(8)
+        actors = pool.deploy(LinearPolicy())
+        previous = actors.rollout(8)
         kept = previous.obs.copy()
         for _ in range(5):
-            pool.rollout_async(8)
-            current = pool.rollout_wait()
+            actors.rollout_async(8)
+            current = actors.rollout_wait()
             np.testing.assert_array_equal(previous.obs, kept)  # not overwritten by the newer segment
             np.testing.assert_array_equal(current.obs[0], previous.last_obs)
             previous, kept = current, current.obs.copy()
@@ -173,8 +173,8 @@ def test_sampling_rollouts_are_reproducible_with_a_seed():
         torch.manual_seed(3)
         with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
             pool.reset(seeds=[0, 1, 2, 3])
-            pool.deploy(LinearPolicy(greedy=False), seed=42)
-            rollout = pool.rollout(50)
+            actors = pool.deploy(LinearPolicy(greedy=False), seed=42)
+            rollout = actors.rollout(50)
             return rollout.actions.copy(), rollout.log_probs.copy()
 
     (a1, l1), (a2, l2) = collect(), collect()
@@ -183,24 +183,40 @@ def test_sampling_rollouts_are_reproducible_with_a_seed():
     assert 0 < a1.mean() < 1
 
 
+def test_deprecated_pool_methods_still_work_and_say_where_they_moved():
+    policy = LinearPolicy(greedy=True)
+    with EnvPool.make("CartPole-v1", 2, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(policy)
+        assert pool.actors is actors
+        with pytest.warns(DeprecationWarning, match=r"actors\.rollout"):
+            assert pool.rollout(3).rewards.shape == (3, 2)
+        with pytest.warns(DeprecationWarning, match=r"actors\.publish_weights"):
+            assert pool.publish_weights(policy) == 1
+        with pytest.warns(DeprecationWarning, match=r"actors\.policy_version"):
+            assert pool.policy_version == actors.policy_version == 1
+        with pytest.warns(DeprecationWarning, match="WorkerActors"):
+            assert PolicySync(pool, policy, mode="always").actors is actors
+
+
 def test_rollout_errors_are_clear():
     env_fns = [functools.partial(gym.make, "CartPole-v1"), lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=3)]
     with EnvPool(env_fns, num_workers=2) as pool:
         pool.reset()
-        with pytest.raises(ClusterEnvError, match="deploy"):
+        with pytest.warns(DeprecationWarning), pytest.raises(ClusterEnvError, match="deploy"):
             pool.rollout(3)
         with pytest.raises(TypeError, match="act"):
             pool.deploy(torch.nn.Linear(4, 2))
-        pool.deploy(LinearPolicy())
+        actors = pool.deploy(LinearPolicy())
         with pytest.raises(ValueError, match="n_steps"):
-            pool.rollout(0)
+            actors.rollout(0)
         with pytest.raises(EnvError, match="env 1 on worker 1"):
-            pool.rollout(5)
+            actors.rollout(5)
         pool.reset()  # still usable
-        pool.rollout_async(2)
+        actors.rollout_async(2)
         with pytest.raises(ClusterEnvError, match="rollout is pending"):
             pool.step(np.zeros(2, np.int64))
-        pool.rollout_wait()
+        actors.rollout_wait()
 
 
 def test_rollout_timeout_bounds_the_time_without_progress():
@@ -213,14 +229,14 @@ def run_rollout_timeout_checks(backend: str) -> None:
     slow = [functools.partial(SlowCartPole, 0.02)] * 2  # 40 steps: 0.8 s, twice the timeout
     with EnvPool(slow, num_workers=2, backend=backend) as pool:
         pool.reset(seeds=[0, 1])
-        pool.deploy(LinearPolicy())
-        assert pool.rollout(40, timeout=0.4).rewards.shape == (40, 2)
-        pool.rollout_async(40, timeout=0.4)  # the wait starts late, as when training overlaps
+        actors = pool.deploy(LinearPolicy())
+        assert actors.rollout(40, timeout=0.4).rewards.shape == (40, 2)
+        actors.rollout_async(40, timeout=0.4)  # the wait starts late, as when training overlaps
         time.sleep(1.0)
-        assert pool.rollout_wait().rewards.shape == (40, 2)
+        assert actors.rollout_wait().rewards.shape == (40, 2)
         with pytest.raises(ValueError, match="timeout"):
-            pool.rollout(5, timeout=0)
-        pool.rollout_async(40, timeout=0.4)
+            actors.rollout(5, timeout=0)
+        actors.rollout_async(40, timeout=0.4)
         time.sleep(0.5)  # progress reports queue up; closing reads past them
         started = time.monotonic()
         pool.close()
@@ -228,8 +244,8 @@ def run_rollout_timeout_checks(backend: str) -> None:
     hanging = [functools.partial(gym.make, "CartPole-v1"), lambda: HangingEnv(gym.make("CartPole-v1"), hang_at=5)]
     with EnvPool(hanging, num_workers=2, backend=backend) as pool:
         pool.reset()
-        pool.deploy(LinearPolicy())
+        actors = pool.deploy(LinearPolicy())
         started = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match="worker 1"):
-            pool.rollout(100, timeout=1.0)
+            actors.rollout(100, timeout=1.0)
         assert time.monotonic() - started < 5.0

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from clusterenv_core.transports.mpi import _Doorbell, _PeerGone
+from clusterenv_core.transports.mpi.waiting import Doorbell, PeerGone
 
 
 @pytest.fixture(params=[False, True], ids=["poll", "recv"])
 def bells(request):
     """Two connected doorbells: (waiting side, ringing side); the waiting side sleeps either way."""
     a, b = socket.socketpair()
-    waiter, ringer = _Doorbell(a, sleep_in_recv=request.param), _Doorbell(b, sleep_in_recv=False)
+    waiter, ringer = Doorbell(a, sleep_in_recv=request.param), Doorbell(b, sleep_in_recv=False)
     yield waiter, ringer
     for bell in (waiter, ringer):
         bell.sock.close()
@@ -101,7 +101,7 @@ def test_closed_peer_ends_the_wait(bells):
     waiter, ringer = bells
     ringer.sock.close()
     started = time.perf_counter()
-    with pytest.raises(_PeerGone):
+    with pytest.raises(PeerGone):
         waiter.wait(Counter(), timeout=30.0, max_sleep=1e-3, interval=0.1)
     assert time.perf_counter() - started < 5.0
 

@@ -327,7 +327,7 @@ def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ou
         # Truncated steps got gamma * V(terminal obs) on top of their reward.
         rewards = segments[-1]["rewards"]
         assert (rewards != 1.0).sum() >= 1
-        assert model.policy_sync.stats.syncs == 1 and env.pool.policy_version == 1
+        assert model.policy_sync.stats.syncs == 1 and env.pool.actors.policy_version == 1
     finally:
         env.close()
 
@@ -434,9 +434,9 @@ def test_ppo_learns_cartpole_syncing_every_update():
         stats = model.policy_sync.stats
         updates = math.ceil(PPO_STEPS / (64 * 8))
         assert stats.updates == updates and stats.syncs == stats.updates  # one push per update
-        assert env.pool.policy_version == stats.syncs
+        assert env.pool.actors.policy_version == stats.syncs
         model_bytes = sum(p.numel() for p in model.policy.parameters()) * 4
-        assert env.pool.weights_nbytes == model_bytes
+        assert env.pool.actors.weights_nbytes == model_bytes
         assert stats.weight_bytes_sent == stats.syncs * model_bytes * env.pool.num_workers
         assert stats.max_policy_lag == 0  # no overlap: every segment acts with the newest weights
         logged = set().union(*writer.dumps)
@@ -458,12 +458,12 @@ def test_ppo_aaps_with_overlap_learns_and_logs():
         stats = model.policy_sync.stats
         assert 0 < stats.syncs < stats.updates
         assert stats.updates_since_sync < 4
-        assert stats.weight_bytes_sent == stats.syncs * env.pool.weights_nbytes * env.pool.num_workers
+        assert stats.weight_bytes_sent == stats.syncs * env.pool.actors.weights_nbytes * env.pool.num_workers
         assert stats.max_policy_lag >= 1  # overlapped segments act partly with older weights
         assert model.num_timesteps >= PPO_STEPS and model._started is None
         logged = [dump for dump in writer.dumps if "aaps/syncs" in dump]
         assert len(logged) >= stats.updates - 1 and AAPS_KEYS <= set(logged[-1])
-        assert logged[-1]["aaps/weight_bytes_sent"] == logged[-1]["aaps/syncs"] * env.pool.weights_nbytes * 2
+        assert logged[-1]["aaps/weight_bytes_sent"] == logged[-1]["aaps/syncs"] * env.pool.actors.weights_nbytes * 2
         assert _eval_return(model) >= OVERLAP_RETURN_BAR
     finally:
         env.close()
@@ -477,20 +477,20 @@ def test_never_mode_keeps_the_deployed_weights(tmp_path):
         model.learn(32 * 4 * 4, callback=AAPSCallback(mode="never"))
         stats = model.policy_sync.stats
         assert initial is None and stats.updates == 4 and stats.syncs == 0 and stats.weight_bytes_sent == 0
-        assert env.pool.policy_version == 0
-        rollout_versions = env.pool.rollout(2).versions
+        assert env.pool.actors.policy_version == 0
+        rollout_versions = env.pool.actors.rollout(2).versions
         assert (rollout_versions == 0).all()
         deployed = model.policy_sync.deployed.policy.state_dict()
         assert any(not th.equal(deployed[k], v) for k, v in model.policy.state_dict().items())
         # Without the callback the next learn() syncs every update again; counters accumulate.
         model.learn(32 * 4 * 2, reset_num_timesteps=False)
-        assert model.policy_sync.mode == "always" and stats.syncs >= 1 and env.pool.policy_version == stats.syncs
+        assert model.policy_sync.mode == "always" and stats.syncs >= 1 and env.pool.actors.policy_version == stats.syncs
         # Saving skips the pool-bound state; loading onto a ClusterVecEnv redeploys.
         model.save(tmp_path / "ppo")
         loaded = PPO.load(tmp_path / "ppo", env=env, device="cpu")
         assert loaded.policy_sync is None and loaded.overlap_collection is False
         loaded.learn(32 * 4)
-        assert env.pool.policy_version == loaded.policy_sync.stats.syncs == 1
+        assert env.pool.actors.policy_version == loaded.policy_sync.stats.syncs == 1
     finally:
         env.close()
 
@@ -513,7 +513,7 @@ class StopAt(BaseCallback):
 
 def _env_obs(env: ClusterVecEnv) -> np.ndarray:
     """Where the envs are now (a zero-step rollout is not possible: take the next segment's first obs)."""
-    return np.array(env.pool.rollout(1).obs[0])
+    return np.array(env.pool.actors.rollout(1).obs[0])
 
 
 def test_stopping_or_failing_mid_learn_leaves_env_and_model_consistent():
@@ -552,9 +552,9 @@ def test_dqn_learns_cartpole_with_aaps():
         model.learn(DQN_STEPS, callback=AAPSCallback(kl_threshold=0.01), log_interval=20)
         stats = model.policy_sync.stats
         assert stats.updates > 0 and stats.syncs <= stats.updates
-        assert stats.weight_bytes_sent == stats.syncs * env.pool.weights_nbytes * env.pool.num_workers
+        assert stats.weight_bytes_sent == stats.syncs * env.pool.actors.weights_nbytes * env.pool.num_workers
         # Only the online Q-network travels, never the target network or the optimizer.
-        assert env.pool.weights_nbytes == sum(p.numel() for p in model.q_net.parameters()) * 4
+        assert env.pool.actors.weights_nbytes == sum(p.numel() for p in model.q_net.parameters()) * 4
         logged = set().union(*writer.dumps)
         assert AAPS_KEYS <= logged and "rollout/exploration_rate" in logged and "rollout/ep_rew_mean" in logged
         assert model.exploration_rate == pytest.approx(0.04)

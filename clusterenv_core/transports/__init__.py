@@ -1,8 +1,8 @@
-"""Backends, each one module: ``local`` (processes + shared memory) and ``mpi`` (mpi4py ranks).
+"""Backends: ``local`` (processes + shared memory, one module) and ``mpi`` (mpi4py ranks, a package).
 
-A backend module defines a :class:`~clusterenv_core.transports.base.Transport` subclass for the
-learner and a ``worker_connection(argv)`` function for ``python -m clusterenv_core.worker <backend>``.
-Modules are imported on first use, so ``mpi4py`` is needed only by the MPI backend.
+A backend defines a :class:`~clusterenv_core.transports.base.Transport` subclass for the learner
+and a ``worker_connection(argv)`` function for ``python -m clusterenv_core.worker <backend>``. They
+are imported on first use, so ``mpi4py`` is needed only by the MPI backend.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ _BACKENDS = {
     "local": ("clusterenv_core.transports.local", "LocalTransport"),
     "mpi": ("clusterenv_core.transports.mpi", "MPITransport"),
 }
-
-BACKENDS = tuple(_BACKENDS)
-
 
 def make_transport(backend: str, **options: Any) -> Transport:
     """The learner side of ``backend``, constructed with the backend's ``options``."""
@@ -39,4 +36,4 @@ def worker_connection(backend: str, argv: list[str]) -> WorkerConnection:
     return importlib.import_module(_BACKENDS[backend][0]).worker_connection(argv)
 
 
-__all__ = ["BACKENDS", "Transport", "WorkerConnection", "make_transport", "worker_connection"]
+__all__ = ["Transport", "WorkerConnection", "make_transport", "worker_connection"]

@@ -1,16 +1,19 @@
 """The interface every backend implements: how the learner reaches its workers and back.
 
-A backend is one module with a :class:`Transport` (learner side) and a :class:`WorkerConnection`
-(worker side). Control messages are small picklable tuples. A step is special: it moves the
-action rows of a worker's block to the worker and the result rows back, and must be as cheap as the
-backend allows, so it has its own calls. Arrays travel in :class:`~clusterenv_core.buffers.BatchBuffers`:
-the local backend shares them, the MPI backend ships the rows with buffer messages; the pool and
-the worker loop never see the difference.
+A backend is one module (or package) with a :class:`Transport` (learner side) and a
+:class:`WorkerConnection` (worker side). It carries the requests and replies of
+:mod:`clusterenv_core.protocol` without knowing what any of them means: requests and replies are
+picklable objects, and the protocol itself says when rows or arrays follow one. A step is special:
+it moves the action rows of a worker's block to the worker and the result rows back, and must be
+as cheap as the backend allows, so it has its own calls. Arrays travel in
+:class:`~clusterenv_core.buffers.BatchBuffers`: the local backend shares them, the MPI backend ships
+the rows with buffer messages; the pool and the worker never see the difference.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
@@ -29,6 +32,9 @@ class Transport(ABC):
     failed: set[int]
     #: whether workers see the learner's regions directly (else ``send_arrays``/``recv_arrays`` copy them)
     shares_memory: bool = False
+    #: set by the pool that owns the transport: shuts that pool down. A backend whose own exit
+    #: handling must come after its pools have closed (MPI finalization) calls it at exit.
+    exit_hook: Callable[[], None] | None = None
 
     def default_num_workers(self) -> int | None:
         """How many workers this backend has to offer (e.g. the worker ranks of an MPI launch), or
@@ -41,11 +47,15 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, worker: int, message: Any) -> None:
-        """Send a control message to one worker."""
+        """Send a request to one worker."""
 
     @abstractmethod
     def recv(self, worker: int, timeout: float) -> Any:
-        """Receive the reply of one worker to its last message."""
+        """Receive the next reply of one worker."""
+
+    def recv_rows(self, worker: int, timeout: float) -> None:
+        """Receive the result rows that follow a reply (see :mod:`clusterenv_core.protocol`); afterwards
+        they are in the buffers. Nothing to do where the buffers are shared."""
 
     @abstractmethod
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
@@ -86,10 +96,11 @@ class Transport(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot replace workers")
 
     @abstractmethod
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, closed: set[int]) -> None:
         """Make every worker exit (killing those that do not within ``timeout``) and free resources.
 
-        Idempotent; called after a ``close`` message was sent to the workers that could take it.
+        Idempotent. ``closed`` are the workers that answered their close request; the others may be
+        stuck or gone.
         """
 
 
@@ -105,7 +116,11 @@ class WorkerConnection(ABC):
 
     @abstractmethod
     def send(self, message: Any) -> None:
-        """Reply to the last control message."""
+        """Send a reply (interim or final) to the last request."""
+
+    def send_rows(self) -> None:
+        """Send this worker's result rows after a reply (see :mod:`clusterenv_core.protocol`).
+        Nothing to do where the buffers are shared."""
 
     @abstractmethod
     def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:

@@ -246,7 +246,7 @@ class LocalTransport(Transport):
     def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
         pass
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, closed: set[int]) -> None:
         deadline = time.monotonic() + timeout
         for worker in self.failed:
             self.processes[worker].kill()

@@ -80,13 +80,13 @@ def rollout() -> None:
         policy = LinearPolicy(greedy=True)
         seeds = [10, 11, 12, 13, 14]
         pool.reset(seeds=seeds)
-        pool.deploy(policy)
+        actors = pool.deploy(policy)
         expected, last_obs = reference_rollout(policy, seeds, 120)
-        assert_rollout_matches(pool.rollout(120), expected, last_obs)
+        assert_rollout_matches(actors.rollout(120), expected, last_obs)
         with torch.no_grad():
             policy.linear.weight.neg_()
-        assert pool.publish_weights(policy) == 1
-        segment = pool.rollout(10)
+        assert actors.publish_weights(policy) == 1
+        segment = actors.rollout(10)
         assert (segment.versions == 1).all()
         with torch.no_grad():
             greedy = policy.linear(torch.as_tensor(segment.obs[0])).argmax(-1).numpy()

@@ -1,0 +1,253 @@
+"""Worker-side inference, learner side: the policy copies on a pool's workers.
+
+:meth:`EnvPool.deploy <clusterenv_core.pool.EnvPool.deploy>` ships a policy (a torch module, see
+:mod:`clusterenv_core.inference`) to every worker once and returns a :class:`WorkerActors`. It
+publishes new weights as versioned flat vectors and collects rollout segments: each worker steps
+its block of envs with its own copy for ``n_steps`` and writes the segment into a region the
+learner reads (shared memory locally, one buffer message per worker on MPI). It talks to the
+workers through the pool's messaging, so timeouts and errors are the pool's.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import numpy as np
+
+from clusterenv_core import protocol
+from clusterenv_core.buffers import field_views, fields_nbytes
+from clusterenv_core.checks import check_int, check_timeout
+from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.protocol import RESTART_INFO_KEY
+from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
+
+if TYPE_CHECKING:
+    from clusterenv_core.pool import EnvPool
+
+
+class WorkerActors:
+    """A policy deployed on every worker of ``pool``, with weights version 0.
+
+    :param pool: the pool whose workers get the policy
+    :param policy: a deployable module (``act`` and ``action_dist``, see :mod:`clusterenv_core.inference`)
+    :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
+    :raises ValueError: the spaces have no buffers, or the action space is not one array, or the
+        policy cannot be pickled
+    :raises TypeError: the policy lacks ``act`` or ``action_dist``
+    """
+
+    def __init__(self, pool: EnvPool, policy: Any, seed: int | None = None) -> None:
+        from clusterenv_core.inference import WeightsRegion, flatten_weights, weights_fields
+
+        pool._check_usable()
+        pool._check_not_stepping()
+        layouts = pool.buffers
+        if not layouts.obs_layout.buffered or len(layouts.act_layout.fields) != 1:
+            raise ValueError(
+                "worker-side inference needs an observation space with buffers and a single-array action "
+                f"space (Box, Discrete, MultiDiscrete, MultiBinary); got {pool.observation_space}, {pool.action_space}"
+            )
+        for method in ("act", "action_dist"):
+            if not callable(getattr(policy, method, None)):
+                raise TypeError(f"the policy must have an {method}() method (see clusterenv_core.inference)")
+        try:
+            policy_bytes = cloudpickle.dumps(policy, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
+        pool._drain()
+        self.pool = pool
+        transport = pool._transport
+        flat = flatten_weights(policy)
+        fields = weights_fields(flat.size)
+        handle, memory = transport.share_region(fields_nbytes(fields, 1))
+        self.weights = WeightsRegion(field_views(fields, 1, memory))
+        #: version of the last published weights (0: those deployed)
+        self.policy_version = 0
+        self.weights.write(flat, self.policy_version)
+        #: size of one copy of the weights
+        self.weights_nbytes = flat.nbytes
+        deliver = not transport.shares_memory
+        for worker in range(pool.num_workers):
+            request = protocol.Deploy(policy_bytes, handle, flat.size, None if seed is None else seed + worker, deliver)
+            pool._send(worker, request)
+            if deliver:
+                transport.send_arrays(worker, self.weights.arrays)
+        pool._gather(range(pool.num_workers), "deploying the policy")
+        self._delivered_version = [self.policy_version] * pool.num_workers  # backends without shared memory
+        self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
+        self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
+        self._pending_timeout = pool.timeout
+
+    @property
+    def num_workers(self) -> int:
+        return self.pool.num_workers
+
+    @property
+    def pending(self) -> bool:
+        """Whether a rollout was started and not waited for."""
+        return self._pending is not None
+
+    def publish_weights(self, policy_or_weights: Any) -> int:
+        """Publish new weights (a module like the deployed one, or a flat float32 vector) to the
+        workers; returns their version. Workers pick them up at their next step (local backend) or
+        with their next rollout request (other backends)."""
+        from clusterenv_core.inference import flatten_weights
+
+        if isinstance(policy_or_weights, np.ndarray):
+            flat = np.asarray(policy_or_weights, dtype=np.float32).reshape(-1)
+        else:
+            flat = flatten_weights(policy_or_weights)
+        if flat.size != self.weights.weights.size:
+            raise ValueError(f"{flat.size} weights given, the deployed policy has {self.weights.weights.size}")
+        self.policy_version += 1
+        self.weights.write(flat, self.policy_version)
+        return self.policy_version
+
+    def rollout_async(self, n_steps: int, context: dict | None = None, timeout: float | None = None) -> None:
+        """Start every worker collecting ``n_steps`` steps of all its envs with its policy copy;
+        returns at once, so the learner can train while the segment is collected.
+
+        :param context: keyword arguments for the policy's ``act`` (e.g. an exploration rate)
+        :param timeout: seconds a worker may go without progress (default: the pool's ``timeout``).
+            A segment may take as long as it needs: workers report progress every quarter of it.
+        """
+        pool = self.pool
+        pool._check_usable()
+        pool._check_not_stepping()
+        n_steps = check_int("n_steps", n_steps, minimum=1)
+        timeout = pool.timeout if timeout is None else check_timeout(timeout)
+        pool._drain()
+        region = self._region(n_steps)
+        for worker, block in enumerate(pool.blocks):
+            self._deliver_weights(worker)
+            request = protocol.Rollout(n_steps, dict(context or {}), region.handle, block, pool.num_envs, timeout / 4)
+            pool._send(worker, request)
+        self._pending = region
+        self._pending_timeout = timeout
+
+    def rollout_wait(self, timeout: float | None = None) -> Rollout:
+        """Wait for the segment started by :meth:`rollout_async`.
+
+        :param timeout: seconds a worker may go without progress (default: the one given to
+            :meth:`rollout_async`); a worker that stops stepping raises ``WorkerTimeoutError``
+        """
+        pool = self.pool
+        pool._check_usable()
+        region = self._pending
+        if region is None:
+            raise ClusterEnvError("rollout_wait called without rollout_async")
+        timeout = self._pending_timeout if timeout is None else check_timeout(timeout)
+
+        def receive_segment(worker: int) -> None:
+            block = pool.blocks[worker]
+            pool._transport.recv_arrays(worker, [array[block.start : block.stop] for array in region.all], timeout)
+
+        try:
+            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout, on_reply=receive_segment)
+        finally:
+            if not pool._awaiting:  # interrupted with replies unread, the rollout stays pending
+                self._pending = None
+        n_steps = region.rewards.shape[1]
+        infos: list[dict[int, dict]] = [{} for _ in range(n_steps)]
+        reset_infos: list[dict[int, dict]] = [{} for _ in range(n_steps)]
+        pickled_final_obs: dict[tuple[int, int], Any] = {}
+        for result in results.values():
+            for step, parts in (result or {}).get("steps", {}).items():
+                infos[step].update(parts.get("infos", ()))
+                reset_infos[step].update(parts.get("reset_infos", ()))
+                pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
+        if pool.restart_failed_envs:
+            pool.restarts["envs"] += sum(RESTART_INFO_KEY in info for step in infos for info in step.values())
+        obs_layout, act_layout = pool.buffers.obs_layout, pool.buffers.act_layout
+        return Rollout(
+            obs=time_major(obs_layout, region.obs),
+            actions=time_major(act_layout, region.actions),
+            rewards=region.rewards.T,
+            terminated=region.terminated.T,
+            truncated=region.truncated.T,
+            log_probs=region.log_probs.T,
+            values=region.values.T,
+            versions=region.versions.T,
+            last_obs=obs_layout.batch(region.last_obs),
+            infos=infos,
+            reset_infos=reset_infos,
+            pickled_final_obs=pickled_final_obs,
+            _final_obs=[array.swapaxes(0, 1) for array in region.final_obs],
+            _obs_layout=obs_layout,
+        )
+
+    def rollout(self, n_steps: int, context: dict | None = None, timeout: float | None = None) -> Rollout:
+        """:meth:`rollout_async` then :meth:`rollout_wait`."""
+        self.rollout_async(n_steps, context, timeout)
+        return self.rollout_wait()
+
+    def _region(self, n_steps: int) -> RolloutArrays:
+        """One of two regions per segment length, alternating, so a segment can be collected while
+        the previous one is still being read."""
+        slots = self._regions.setdefault(n_steps, [])
+        if len(slots) < 2:
+            pool = self.pool
+            fields = rollout_fields(pool.batch_spec, n_steps)
+            handle, memory = pool._transport.share_region(fields_nbytes(fields, pool.num_envs))
+            buffers = pool.buffers
+            views = field_views(fields, pool.num_envs, memory)
+            region = RolloutArrays(views, buffers.obs_layout, buffers.act_layout, handle=handle)
+            slots.insert(0, region)
+            return region
+        slots.reverse()
+        return slots[0]
+
+    def _deliver_weights(self, worker: int) -> None:
+        pool = self.pool
+        if pool._transport.shares_memory or self._delivered_version[worker] == self.policy_version:
+            return
+        pool._send(worker, protocol.Weights())
+        pool._transport.send_arrays(worker, self.weights.arrays)
+        pool._gather([worker], "delivering weights")
+        self._delivered_version[worker] = self.policy_version
+
+
+def _warn_moved(name: str) -> None:
+    warnings.warn(
+        f"EnvPool.{name} is deprecated: use the WorkerActors that deploy() returns (actors.{name})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _moved_to_actors(name: str) -> Callable:
+    """A pool method that forwards to the deployed :class:`WorkerActors`, with a deprecation warning."""
+
+    def forward(self: DeprecatedPoolMethods, *args: Any, **kwargs: Any) -> Any:
+        _warn_moved(name)
+        if self.actors is None:
+            raise ClusterEnvError("no policy deployed: call deploy first")
+        return getattr(self.actors, name)(*args, **kwargs)
+
+    forward.__name__ = name
+    forward.__doc__ = f"Deprecated: ``pool.deploy(...).{name}(...)``."
+    return forward
+
+
+class DeprecatedPoolMethods:
+    """The worker-side inference calls :class:`~clusterenv_core.pool.EnvPool` had before
+    :class:`WorkerActors` existed: each warns and forwards to ``pool.actors``."""
+
+    actors: WorkerActors | None
+
+    rollout = _moved_to_actors("rollout")
+    rollout_async = _moved_to_actors("rollout_async")
+    rollout_wait = _moved_to_actors("rollout_wait")
+    publish_weights = _moved_to_actors("publish_weights")
+
+    @property
+    def policy_version(self) -> int:
+        """Deprecated: :attr:`WorkerActors.policy_version` (-1 before a policy is deployed)."""
+        if self.actors is None:
+            return -1
+        _warn_moved("policy_version")
+        return self.actors.policy_version

@@ -1,0 +1,57 @@
+"""Validation of arguments, shared by the core and the adapters: one message style, before anything is sent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (Python or numpy), ``bool`` excluded."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """``value`` as an int, or ``ValueError`` naming ``name`` (``TypeError`` if it is no integer at all).
+
+    :param minimum: the smallest value allowed, if any
+    """
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float:
+    """A finite, positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_indices(indices: Any, num_envs: int) -> list[int]:
+    """Env indices (``None``: all, an int: one; negative ones count from the end) as a list of ints."""
+    if indices is None:
+        return list(range(num_envs))
+    if is_int(indices):
+        indices = [indices]
+    result = []
+    for index in indices:
+        if not is_int(index):
+            raise TypeError(f"env indices must be ints, got {index!r}")
+        if not -num_envs <= index < num_envs:
+            raise IndexError(f"env index {index} out of range for {num_envs} envs")
+        result.append(int(index) % num_envs)
+    return result
+
+
+def per_env_values(values: Any, num_envs: int, what: str) -> list:
+    """One value per env (``None``: ``None`` for each), or ``ValueError`` naming ``what``."""
+    if values is None:
+        return [None] * num_envs
+    values = list(values)
+    if len(values) != num_envs:
+        raise ValueError(f"{what}: expected {num_envs} values (one per env), got {len(values)}")
+    return values

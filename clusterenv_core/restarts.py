@@ -1,0 +1,104 @@
+"""Replacing workers lost during a step (``restart_failed_workers``), so long runs survive a crash.
+
+A worker that dies or exceeds the timeout during a step is killed and replaced by a new process
+that rebuilds its block of envs; the interrupted episodes end truncated, with their last
+observation from before the step, and the reason under the info key
+:data:`~clusterenv_core.protocol.RESTART_INFO_KEY`. Only backends that can replace a worker do
+(the local one; MPI is fail-stop). The pool holds one :class:`WorkerRestarts` when restarts are on
+and consults it only when a worker is lost, plus one copy of the observations per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clusterenv_core import protocol
+from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.protocol import RESTART_INFO_KEY
+
+if TYPE_CHECKING:
+    from clusterenv_core.pool import EnvPool
+
+
+class WorkerRestarts:
+    """The restart bookkeeping of one pool.
+
+    :param pool: the pool whose workers are replaced (its buffers exist)
+    """
+
+    def __init__(self, pool: EnvPool) -> None:
+        self.pool = pool
+        self.counts = [0] * pool.num_workers  # replacements of each worker so far
+        #: workers lost during the pending step, to replace before it completes
+        self.lost: dict[int, ClusterEnvError] = {}
+        layout = pool.buffers.obs_layout
+        # Observations before the current step, to end the episodes of a replaced worker with.
+        self.obs_before_step: list = [np.empty_like(array) for array in pool.buffers.obs] if layout.buffered else []
+
+    def may_replace(self, worker: int) -> bool:
+        return self.counts[worker] < self.pool.max_restarts
+
+    def remember_obs(self) -> None:
+        """Keep the observations the coming step starts from."""
+        pool = self.pool
+        if pool.buffers.obs_layout.buffered:
+            for kept, current in zip(self.obs_before_step, pool.buffers.obs):
+                np.copyto(kept, current)
+        else:
+            self.obs_before_step = list(pool._obs)
+
+    def replace_lost(self) -> dict[int, dict]:
+        """Replace every worker lost in this step; returns each one's step result."""
+        results = {}
+        for worker in sorted(self.lost):
+            results[worker] = self._replace(worker, self.lost.pop(worker))
+        return results
+
+    def _replace(self, worker: int, error: ClusterEnvError) -> dict:
+        """Start a new worker for a lost one's envs and end their interrupted episodes as truncated.
+
+        Returns the step result of the block. The episodes' last observations are those from
+        before the step. In ``same_step`` mode the new envs are reset now (unseeded); in
+        ``next_step`` mode they reset at their next step; in ``disabled`` mode the caller resets them.
+        """
+        pool = self.pool
+        try:
+            pool._transport.restart(worker, pool.timeout)
+        except NotImplementedError:
+            raise pool._fail(error) from None
+        self.counts[worker] += 1
+        pool.restarts["workers"] += 1
+        from clusterenv_core.pool import START_TIMEOUT
+
+        start_timeout = max(pool.timeout, START_TIMEOUT)
+        pool._send(worker, dataclasses.replace(pool._init_requests[worker], restarted=True))
+        pool._gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
+        pool._attach([worker], start_timeout)
+
+        block = pool.blocks[worker]
+        layout, rows = pool.buffers.obs_layout, slice(block.start, block.stop)
+        if layout.buffered:
+            previous: dict[int, Any] = {i: layout.read(self.obs_before_step, i) for i in block}
+        else:
+            previous = {i: self.obs_before_step[i] for i in block}
+        reason = f"worker {worker} was replaced (restart {self.counts[worker]} of {pool.max_restarts}) after: {error}"
+        result: dict[str, dict] = {"infos": {i: {RESTART_INFO_KEY: reason} for i in block}}
+        if pool.autoreset_mode == "same_step":
+            result["final_obs"] = previous
+            pool._send(worker, protocol.Reset([None] * len(block), [None] * len(block), None))
+            reset = pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}
+            result["reset_infos"] = reset.get("infos", {})
+            if "obs" in reset:
+                result["obs"] = reset["obs"]
+        elif layout.buffered:
+            for kept, current in zip(self.obs_before_step, pool.buffers.obs):
+                current[rows] = kept[rows]
+        else:
+            result["obs"] = previous
+        pool.buffers.rewards[rows] = 0.0
+        pool.buffers.terminated[rows] = False
+        pool.buffers.truncated[rows] = True
+        return result

@@ -1,0 +1,485 @@
+"""The learner side of the MPI backend: starting (or finding) the worker ranks and talking to them."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import secrets
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.protocol import OK_NONE, dumps
+from clusterenv_core.transports.base import Transport
+from clusterenv_core.transports.mpi.launcher import process_manager
+from clusterenv_core.transports.mpi.runtime import HOST, State, mpi, pid_alive, pm_exited
+from clusterenv_core.transports.mpi.waiting import MIN_NAP, Doorbell, PeerGone, Probe, poll
+from clusterenv_core.transports.mpi.wire import (
+    ALIGN,
+    HEADER,
+    TAG_ARRAYS,
+    TAG_BELL,
+    TAG_CONFIG,
+    TAG_HELLO,
+    TAG_PAYLOAD,
+    TAG_REPLY,
+    TAG_REQUEST,
+    TAG_RESULT,
+    TAG_STEP,
+    address,
+    block_type,
+    result_arrays,
+    row_bytes,
+)
+from clusterenv_core.transports.mpi.worker import serve_as_worker
+
+_ARRAYS_TIMEOUT = 60.0
+_START_TIMEOUT = 60.0  # at least this long for ranks to start (interpreters, imports): slow is not stuck
+
+
+class MPITransport(Transport):
+    """Learner side of the MPI backend (launch modes: see :mod:`clusterenv_core.transports.mpi`).
+
+    :param launch: ``"auto"`` (spawn when ``COMM_WORLD`` has one rank, else world), ``"spawn"`` or ``"world"``
+    :param python: interpreter of spawned workers (default: this one)
+    :param spawn_info: MPI info keys for ``Spawn`` (e.g. ``{"hosts": "node1,node2"}``)
+    :param mpiexec: MPICH's ``mpiexec`` for the first spawn of a singleton (default: found)
+    :param isolate: start that process manager in its own session, so a dying worker cannot kill the learner
+    :param spin: seconds the learner polls a reply without sleeping
+    :param max_sleep: longest nap of the learner while it polls
+    :param worker_spin: seconds a worker polls for the next message without sleeping
+    :param worker_max_sleep: longest nap of an idle worker
+    :param liveness_interval: seconds between checks that a silent peer still exists
+    :param doorbell: wake peers on the learner's host through a Unix socket instead of polling
+    """
+
+    shares_memory = False
+
+    def __init__(
+        self,
+        launch: str = "auto",
+        python: str | None = None,
+        spawn_info: dict[str, str] | None = None,
+        mpiexec: str | None = None,
+        isolate: bool = True,
+        spin: float = 50e-6,
+        max_sleep: float = 200e-6,
+        worker_spin: float = 1e-3,
+        worker_max_sleep: float = 1e-3,
+        liveness_interval: float = 0.25,
+        doorbell: bool = True,
+    ) -> None:
+        if launch not in ("auto", "spawn", "world"):
+            raise ValueError(f"launch must be 'auto', 'spawn' or 'world', got {launch!r}")
+        for name, value in (
+            ("spin", spin),
+            ("max_sleep", max_sleep),
+            ("worker_spin", worker_spin),
+            ("worker_max_sleep", worker_max_sleep),
+            ("liveness_interval", liveness_interval),
+        ):
+            if not isinstance(value, (int, float)) or value < 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        self.launch = launch
+        self.python = python or sys.executable
+        self.spawn_info = dict(spawn_info or {})
+        self.mpiexec = mpiexec
+        self.isolate = bool(isolate)
+        self.spin, self.max_sleep = float(spin), max(float(max_sleep), MIN_NAP)
+        self.worker_spin, self.worker_max_sleep = float(worker_spin), max(float(worker_max_sleep), MIN_NAP)
+        self.liveness_interval = max(float(liveness_interval), 0.01)
+        self.doorbell = bool(doorbell)
+        self._bells: list[Doorbell | None] = []
+        self.failed: set[int] = set()
+        self.mode: str | None = None
+        self.comm: Any = None
+        self.ranks: list[int] = []
+        self.pids: list[int] = []
+        self.hosts: list[str] = []
+        self._closed = False
+        self._sends: list[list] = []  # per worker: (request, buffer) of sends not known complete
+        self._result_requests: list = []
+        self._action_requests: list = []
+        self._result_messages: list = []
+        self._action_messages: list = []
+        self._datatypes: list = []
+        self._memory: bytearray | None = None
+        self._headers: np.ndarray | None = None
+        self._regions: list[bytearray] = []
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.ranks)
+
+    def default_num_workers(self) -> int | None:
+        """The number of worker ranks a world launch provides (``None`` in spawn mode)."""
+        MPI = mpi()
+        size = MPI.COMM_WORLD.Get_size()
+        if self.launch == "spawn" or (self.launch == "auto" and size == 1):
+            return None
+        return size - 1
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def start(self, num_workers: int, timeout: float) -> None:
+        timeout = max(timeout, _START_TIMEOUT)
+        MPI = mpi()
+        world = MPI.COMM_WORLD
+        mode = self.launch
+        if mode == "auto":
+            mode = "spawn" if world.Get_size() == 1 else "world"
+        if mode == "world":
+            if world.Get_size() == 1:
+                raise ValueError(
+                    "launch='world' needs worker ranks: run under mpiexec with more than one rank "
+                    "(e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker)"
+                )
+            if world.Get_rank() != 0:
+                serve_as_worker()  # SPMD: this rank becomes a worker and never returns
+            self._start_world(num_workers, timeout)
+        else:
+            self._start_spawn(num_workers, timeout)
+        State.live.add(self)
+
+    def _start_spawn(self, num_workers: int, timeout: float) -> None:
+        MPI = State.MPI
+        if pm_exited():
+            raise ClusterEnvError(
+                "MPI's process manager of this process ended after an earlier worker loss; "
+                "this process cannot spawn MPI workers anymore (start a new process)"
+            )
+        info = MPI.Info.Create()
+        try:
+            info.Set("wdir", os.getcwd())
+            for key, value in self.spawn_info.items():
+                info.Set(str(key), str(value))
+            args = ["-m", "clusterenv_core.worker", "mpi", "spawn"]
+            with process_manager(self.mpiexec, self.isolate):
+                self.comm = MPI.COMM_SELF.Spawn(self.python, args, maxprocs=num_workers, info=info)
+        finally:
+            info.Free()
+        self.mode = "spawn"
+        self._handshake(list(range(num_workers)), timeout)
+
+    def _start_world(self, num_workers: int, timeout: float) -> None:
+        MPI = State.MPI
+        if State.world_used:
+            raise ClusterEnvError(
+                "the worker ranks of this MPI job already served a pool and have exited: a world launch "
+                "(mpiexec with several ranks) serves one pool; use launch='spawn' for more"
+            )
+        State.world_used = True
+        self.comm = MPI.COMM_WORLD
+        self.mode = "world"
+        available = self.comm.Get_size() - 1
+        self._handshake(list(range(1, available + 1)), timeout)
+        if num_workers != available:
+            # Raised with the ranks connected, so the pool's shutdown can still close them.
+            raise ValueError(
+                f"this MPI job has {available} worker ranks (COMM_WORLD size {available + 1}) but the pool asked "
+                f"for num_workers={num_workers}: pass num_workers={available}"
+            )
+
+    def _handshake(self, ranks: list[int], timeout: float) -> None:
+        """Learn each worker's pid and host, then tell it its index and how to poll."""
+        MPI = State.MPI
+        self.ranks = ranks
+        count = len(ranks)
+        self.pids, self.hosts = [0] * count, [""] * count
+        self._sends = [[] for _ in range(count)]
+        self._result_requests = [None] * count
+        self._action_requests = [None] * count
+        for worker, rank in enumerate(ranks):
+            probe = Probe(MPI, self.comm, rank, TAG_HELLO)
+            if not poll(probe, timeout, self.spin, self.max_sleep, self._check_manager, self.liveness_interval):
+                self.failed.add(worker)
+                raise WorkerTimeoutError(
+                    f"worker {worker} (MPI rank {rank}) did not start within {timeout:g} s"
+                    + (" (is its rank running python -m clusterenv_core.worker?)" if self.mode == "world" else "")
+                )
+            hello = self._receive_pickled(probe)
+            self.pids[worker], self.hosts[worker] = hello["pid"], hello["host"]
+        self._bells = [None] * count
+        listener = name = None
+        if self.doorbell and HOST in self.hosts and sys.platform.startswith("linux"):
+            # An abstract socket: no file anywhere, gone when closed.
+            name = f"\0clusterenv-mpi-{os.getpid()}-{secrets.token_hex(8)}"
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(name)
+            listener.listen(count)
+        config = {
+            "learner_pid": os.getpid(),
+            "learner_host": HOST,
+            "spin": self.worker_spin,
+            "max_sleep": self.worker_max_sleep,
+            "liveness_interval": self.liveness_interval,
+        }
+        try:
+            for worker, rank in enumerate(ranks):
+                bell = name if self.hosts[worker] == HOST else None
+                data = dumps(dict(config, worker=worker, doorbell=bell))
+                self._sends[worker].append((self.comm.Isend(data, dest=rank, tag=TAG_CONFIG), data))
+            if listener is not None:
+                self._accept_doorbells(listener, timeout)
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def _accept_doorbells(self, listener: socket.socket, timeout: float) -> None:
+        """Each worker on this host says whether it connected; accept those that did, known by pid."""
+        MPI = State.MPI
+        expected = 0
+        for worker, rank in enumerate(self.ranks):
+            if self.hosts[worker] != HOST:
+                continue
+            probe = Probe(MPI, self.comm, rank, TAG_BELL)
+            if not poll(probe, timeout, self.spin, self.max_sleep, self._check_manager, self.liveness_interval):
+                self.failed.add(worker)
+                raise WorkerTimeoutError(f"worker {worker} (MPI rank {rank}) did not finish starting within {timeout:g} s")
+            expected += bool(self._receive_pickled(probe))
+        by_pid = {pid: worker for worker, pid in enumerate(self.pids) if self.hosts[worker] == HOST}
+        listener.settimeout(timeout)
+        while expected > 0:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # those workers poll instead
+            credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid = struct.unpack("3i", credentials)[0]
+            worker = by_pid.pop(pid, None)
+            if worker is None:  # not one of ours
+                sock.close()
+                continue
+            self._bells[worker] = Doorbell(sock, sleep_in_recv=False)
+            expected -= 1
+
+    # -- control messages -------------------------------------------------------------------------
+
+    def send(self, worker: int, message: Any) -> None:
+        if self._closed:
+            raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
+        data = dumps(message)
+        pending = self._sends[worker]
+        if pending:
+            pending[:] = [(request, buffer) for request, buffer in pending if not request.Test()]
+        pending.append((self.comm.Isend(data, dest=self.ranks[worker], tag=TAG_REQUEST), data))
+        bell = self._bells[worker]
+        if bell is not None:
+            bell.ring()
+
+    def recv(self, worker: int, timeout: float) -> Any:
+        if self._closed:
+            raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
+        if self._result_requests[worker] is not None:
+            return self.recv_step(worker, timeout)
+        probe = Probe(State.MPI, self.comm, self.ranks[worker], TAG_REPLY)
+        self._wait(worker, probe, timeout)
+        reply = self._receive_pickled(probe)
+        self._received(worker)
+        return reply
+
+    def recv_rows(self, worker: int, timeout: float) -> None:
+        rank = self.ranks[worker]
+        self._wait(worker, self.comm.Irecv(self._result_messages[worker], source=rank, tag=TAG_RESULT).Test, timeout)
+        self._received(worker)
+
+    def _receive_pickled(self, probe: Probe) -> Any:
+        buffer = bytearray(probe.status.Get_count(State.MPI.BYTE))
+        probe.message.Recv(buffer)
+        return pickle.loads(buffer)
+
+    def _wait(self, worker: int, ready, timeout: float, bell: bool = True) -> None:
+        """Wait for ``ready()`` (a receive the worker rings for, unless ``bell`` is false)."""
+        if ready():
+            return
+        check = functools.partial(self._check_alive, worker)
+        doorbell = self._bells[worker] if bell else None
+        try:
+            if doorbell is not None:
+                ok = doorbell.wait(ready, timeout, self.max_sleep, check, self.liveness_interval)
+            else:
+                ok = poll(ready, timeout, self.spin, self.max_sleep, check, self.liveness_interval)
+        except PeerGone:
+            self._check_alive(worker)  # names the cause when it can
+            raise self._dead(worker) from None
+        if not ok:
+            self.failed.add(worker)
+            raise WorkerTimeoutError(f"worker {worker} ({self._describe(worker)}) did not answer within {timeout:g} s")
+
+    def _received(self, worker: int) -> None:
+        bell = self._bells[worker]
+        if bell is not None:
+            bell.received()
+
+    def _describe(self, worker: int) -> str:
+        return f"MPI rank {self.ranks[worker]}, pid {self.pids[worker]} on {self.hosts[worker]}"
+
+    def _check_manager(self) -> None:
+        if self.mode == "spawn" and pm_exited():
+            raise self._lost_all("MPI's process manager ended (a spawned worker rank died and MPICH ended its job)")
+
+    def _check_alive(self, worker: int) -> None:
+        if self.hosts[worker] == HOST and not pid_alive(self.pids[worker]):
+            raise self._dead(worker)
+        self._check_manager()
+
+    def _dead(self, worker: int) -> WorkerLostError:
+        why = "died"
+        if self.mode == "spawn":
+            # MPICH ends the spawned ranks, its process manager exits: no more spawns, no MPI_Finalize.
+            if pm_exited():
+                why += " (MPICH's process manager ended every spawned rank of this process after a rank died)"
+            State.finalize_unsafe = True
+        self.failed.add(worker)
+        return WorkerLostError(f"worker {worker} ({self._describe(worker)}) {why}")
+
+    def _lost_all(self, why: str) -> WorkerLostError:
+        self.failed.update(range(self.num_workers))
+        return WorkerLostError(f"all {self.num_workers} MPI workers of this pool are lost: {why}")
+
+    # -- buffers and steps ------------------------------------------------------------------------
+
+    def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
+        MPI = State.MPI
+        count = len(blocks)
+        header_bytes = -(-HEADER * count // ALIGN) * ALIGN
+        self._memory = memory = bytearray(header_bytes + spec.nbytes())
+        buffers = BatchBuffers(spec, memoryview(memory)[header_bytes:])
+        self._headers = np.frombuffer(memory, dtype=np.int64, count=2 * count).reshape(count, 2)
+        base = address(memory)
+        always, when_done = result_arrays(buffers)
+        self._result_messages, self._action_messages = [], []
+        for worker, block in enumerate(blocks):
+
+            def rows(arrays: list[np.ndarray], block: range = block) -> list[tuple[int, int]]:
+                return [
+                    (array.ctypes.data - base + block.start * row_bytes(array), len(block) * row_bytes(array))
+                    for array in arrays
+                ]
+
+            results = block_type(MPI, [(HEADER * worker, HEADER), *rows(always), *rows(when_done)])
+            actions = block_type(MPI, rows(buffers.actions))
+            self._datatypes += [results, actions]
+            self._result_messages.append([memory, 1, results])
+            self._action_messages.append([memory, 1, actions])
+        return buffers
+
+    def send_step(self, worker: int) -> None:
+        if self._closed:
+            raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
+        rank = self.ranks[worker]
+        comm = self.comm
+        # The receive goes first, so the result rows land directly in the buffers.
+        self._result_requests[worker] = comm.Irecv(self._result_messages[worker], source=rank, tag=TAG_RESULT)
+        self._action_requests[worker] = comm.Isend(self._action_messages[worker], dest=rank, tag=TAG_STEP)
+        bell = self._bells[worker]
+        if bell is not None:
+            bell.ring()
+
+    def recv_step(self, worker: int, timeout: float) -> Any:
+        request = self._result_requests[worker]
+        if request is None:
+            raise ClusterEnvError(f"recv_step without send_step for worker {worker}")
+        self._wait(worker, request.Test, timeout)
+        self._result_requests[worker] = None
+        self._wait(worker, self._action_requests[worker].Test, timeout, bell=False)  # done: the worker answered
+        self._action_requests[worker] = None
+        if self._headers[worker, 0] == 0:
+            self._received(worker)
+            return OK_NONE
+        probe = Probe(State.MPI, self.comm, self.ranks[worker], TAG_PAYLOAD)
+        self._wait(worker, probe, timeout)
+        self._received(worker)
+        return self._receive_pickled(probe)
+
+    # -- regions (worker-side inference) ----------------------------------------------------------
+
+    def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
+        region = bytearray(nbytes)
+        self._regions.append(region)
+        return len(self._regions) - 1, memoryview(region)
+
+    def send_arrays(self, worker: int, arrays: list) -> None:
+        rank = self.ranks[worker]
+        for array in arrays:
+            data = np.ascontiguousarray(array)
+            request = self.comm.Isend(data, dest=rank, tag=TAG_ARRAYS)
+            bell = self._bells[worker]
+            if bell is not None:
+                bell.ring()
+            self._wait(worker, request.Test, _ARRAYS_TIMEOUT, bell=False)
+
+    def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
+        for array in arrays:
+            target = array if array.flags.c_contiguous else np.empty_like(array)
+            self._wait(worker, self.comm.Irecv(target, source=self.ranks[worker], tag=TAG_ARRAYS).Test, timeout)
+            self._received(worker)
+            if target is not array:
+                array[...] = target
+
+    # -- end --------------------------------------------------------------------------------------
+
+    def close(self, timeout: float, closed: set[int]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        State.live.discard(self)
+        if self.comm is None:
+            return
+        deadline = time.monotonic() + timeout
+        for request in self._result_requests:
+            if request is not None:
+                try:
+                    request.Cancel()
+                    poll(request.Test, 1.0, 0.0, 1e-3)
+                except Exception:
+                    pass
+        unclosed = [worker for worker in range(self.num_workers) if worker not in closed]
+        if self.mode == "spawn":
+            if unclosed:
+                # Stuck or lost ranks: kill those on this host; MPICH then ends the rest of the spawn.
+                for worker in unclosed:
+                    if self.hosts[worker] == HOST and pid_alive(self.pids[worker]):
+                        try:
+                            os.kill(self.pids[worker], signal.SIGKILL)
+                        except OSError:
+                            pass
+                State.finalize_unsafe = True
+                try:
+                    self.comm.Free()
+                except Exception:
+                    pass
+            else:
+                # Every worker answered its close request and disconnects too (a collective call).
+                self.comm.Disconnect()
+            # Closed workers finalize and exit at once; wait for those on this host.
+            for worker in range(self.num_workers):
+                if self.hosts[worker] != HOST:
+                    continue
+                while pid_alive(self.pids[worker]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        elif unclosed:
+            # A world rank that did not close would keep MPI_Finalize waiting forever.
+            ranks = ", ".join(str(self.ranks[worker]) for worker in unclosed)
+            State.abort_at_exit = f"worker rank(s) {ranks} did not close"
+        for datatype in self._datatypes:
+            try:
+                datatype.Free()
+            except Exception:
+                pass
+        self._datatypes = []
+        self._result_requests = [None] * self.num_workers
+        self._action_requests = [None] * self.num_workers
+        self._sends = [[] for _ in range(self.num_workers)]
+        for bell in self._bells:
+            if bell is not None:
+                bell.close()
+        self._bells = [None] * self.num_workers
