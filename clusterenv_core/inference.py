@@ -113,6 +113,9 @@ class PolicyHost:
         import torch
 
         torch.set_num_threads(1)  # several workers share the cores; one thread each
+        # torch.distributions checks every argument by default: a quarter of a small policy's act()
+        # (measured: 228 -> 167 µs for SB3's MlpPolicy on 8 observations); results are the same.
+        torch.distributions.Distribution.set_default_validate_args(False)
         if seed is not None:
             torch.manual_seed(seed)
         self.torch = torch

@@ -251,9 +251,12 @@ class WorkerInferenceMixin:
             sync.observe(rollout.obs)
         return rollout
 
-    def _start_next_segment(self) -> None:
-        """With ``overlap_collection``, start the next segment now, so it is collected while training."""
-        if self.overlap_collection and self.num_timesteps < self._total_timesteps and self._started is None:
+    def _start_next_segment(self, uncounted: int = 0) -> None:
+        """With ``overlap_collection``, start the next segment now, so it is collected while training.
+
+        :param uncounted: env steps already collected that ``num_timesteps`` does not count yet
+        """
+        if self.overlap_collection and self.num_timesteps + uncounted < self._total_timesteps and self._started is None:
             n_steps, context = self._segment_request()
             self._policy_sync.actors.rollout_async(n_steps, context)
             self._started = (n_steps, context)
@@ -306,9 +309,11 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         callback.on_rollout_start()
 
         rollout = self._rollout(env)
-        segment = _Segment(rollout, env)
         num_envs = env.num_envs
         batch = n_rollout_steps * num_envs
+        # The next segment (in the pool's other region) runs while this one is processed and trained on.
+        self._start_next_segment(uncounted=batch)
+        segment = _Segment(rollout, env)
         flat_actions = th.as_tensor(
             np.asarray(rollout.actions).reshape(batch, -1), dtype=th.float32, device=self.device
         )
@@ -379,7 +384,6 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
 
         callback.update_locals(locals())
         callback.on_rollout_end()
-        self._start_next_segment()
         return True
 
 

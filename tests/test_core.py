@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -145,6 +146,23 @@ def test_core_imports_without_torch_or_sb3():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert output.stdout.strip() == "ok", output.stderr
+
+
+def test_an_idle_pool_costs_no_cpu():
+    """Workers sleep in the kernel between requests; the first ones poll for at most
+    ``worker_spin`` after a reply (0.5 ms by default), so a pool left alone uses no CPU."""
+    psutil = pytest.importorskip("psutil")
+    with EnvPool.make("CartPole-v1", 4, num_workers=2, backend_options={"spinning_workers": 2}) as pool:
+        pool.reset()
+        pool.step(np.zeros(4, np.int64))
+        time.sleep(0.1)
+        processes = [psutil.Process(process.pid) for process in pool._transport.processes]
+        before = [sum(process.cpu_times()[:2]) for process in processes]
+        time.sleep(1.0)
+        used = [sum(process.cpu_times()[:2]) - cpu for process, cpu in zip(processes, before)]
+        assert max(used) < 0.05, f"CPU seconds used by idle workers: {used}"
+    with pytest.raises(ValueError, match="worker_spin"):
+        EnvPool.make("CartPole-v1", 2, backend_options={"worker_spin": -1.0})
 
 
 def test_make_from_env_id_and_partial_reset():

@@ -10,7 +10,11 @@ descriptors:
 - an anonymous memory file (``memfd``) holding the batch buffers. It has no name in ``/dev/shm``,
   so nothing is left behind however the processes end.
 
-Signalling went through measurement (``benchmarks/signalling.py``); see the README.
+Signalling went through measurement (``benchmarks/signalling.py``, ``benchmarks/throughput.py``);
+see the README. Workers sleep in the kernel between requests, except that the first ``cores - 1``
+of them poll for up to ``worker_spin`` seconds after each reply before they sleep: a learner that
+answers within that time reaches them without a wake-up, and with at most ``cores - 1`` spinners
+the learner always has a core of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from typing import Any
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
+from clusterenv_core.checks import check_int
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
@@ -50,10 +55,13 @@ class _MessageSocket:
 
     Several messages may arrive in one read (a worker's progress reports queue up while the learner
     trains): bytes past the message returned stay buffered for the next call.
+
+    :param spin: seconds a receive without timeout polls before it sleeps in the kernel
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
         self.sock = sock
+        self.spin = spin
         self._buffer = bytearray(1 << 16)
         self._start = 0  # buffered bytes not yet returned: self._buffer[self._start : self._end]
         self._end = 0
@@ -82,11 +90,23 @@ class _MessageSocket:
             if deadline is not None:
                 self._wait_readable(deadline, still_alive)
             view = memoryview(self._buffer)[self._end :]
-            count = self.sock.recv_into(view)
+            count = self._spin_recv(view) if self.spin and deadline is None else None
+            if count is None:
+                count = self.sock.recv_into(view)
             view.release()
             if count == 0:
                 raise EOFError("connection closed")
             self._end += count
+
+    def _spin_recv(self, view: memoryview) -> int | None:
+        """Poll for up to ``spin`` seconds; the bytes read, or ``None`` if nothing came."""
+        end = time.perf_counter() + self.spin
+        while True:
+            try:
+                return self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > end:
+                    return None
 
     def _take(self) -> tuple[Any] | None:
         """The next whole buffered message (in a 1-tuple), or None; grows the buffer for a long one."""
@@ -132,13 +152,29 @@ class LocalTransport(Transport):
 
     :param python: interpreter for the workers (default: this one)
     :param env: extra environment variables for the worker processes
+    :param worker_spin: seconds a worker polls for its next request after each reply before it
+        sleeps in the kernel (0: it sleeps at once)
+    :param spinning_workers: how many workers (the first ones) poll like that (default: one fewer
+        than the cores, so the learner keeps a core however the workers wait)
     """
 
     shares_memory = True
 
-    def __init__(self, python: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+        worker_spin: float = 5e-4,
+        spinning_workers: int | None = None,
+    ) -> None:
+        if isinstance(worker_spin, bool) or not isinstance(worker_spin, (int, float)) or not 0 <= worker_spin < 1:
+            raise ValueError(f"worker_spin must be a number of seconds in [0, 1), got {worker_spin!r}")
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
+        self.worker_spin = float(worker_spin)
+        self.spinning_workers = (
+            max((os.cpu_count() or 1) - 1, 0) if spinning_workers is None else check_int("spinning_workers", spinning_workers, 0)
+        )
         self.processes: list[subprocess.Popen] = []
         self.sockets: list[_MessageSocket] = []
         self.memory_fd: int | None = None
@@ -157,15 +193,16 @@ class LocalTransport(Transport):
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self._worker_env = env
-        for _ in range(num_workers):
-            process, channel = self._launch()
+        for worker in range(num_workers):
+            process, channel = self._launch(worker)
             self.processes.append(process)
             self.sockets.append(channel)
 
-    def _launch(self) -> tuple[subprocess.Popen, _MessageSocket]:
+    def _launch(self, worker: int) -> tuple[subprocess.Popen, _MessageSocket]:
         learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = (worker_end.fileno(), self.memory_fd)
-        command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds)]
+        spin = self.worker_spin if worker < self.spinning_workers else 0.0
+        command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds), repr(spin)]
         try:
             process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, env=self._worker_env)
         except BaseException:
@@ -180,7 +217,7 @@ class LocalTransport(Transport):
         old.kill()
         old.wait()
         self.sockets[worker].sock.close()
-        self.processes[worker], self.sockets[worker] = self._launch()
+        self.processes[worker], self.sockets[worker] = self._launch(worker)
         self.failed.discard(worker)
 
     def send(self, worker: int, message: Any) -> None:
@@ -276,10 +313,11 @@ class LocalWorkerConnection(WorkerConnection):
 
     :param socket_fd: the worker's end of the socket pair
     :param memory_fd: the memory file holding the batch buffers
+    :param spin: seconds to poll for the next request before sleeping in the kernel
     """
 
-    def __init__(self, socket_fd: int, memory_fd: int) -> None:
-        self.channel = _MessageSocket(socket.socket(fileno=socket_fd))
+    def __init__(self, socket_fd: int, memory_fd: int, spin: float = 0.0) -> None:
+        self.channel = _MessageSocket(socket.socket(fileno=socket_fd), spin)
         self.memory_fd = memory_fd
         self.memory: mmap.mmap | None = None
 
@@ -317,8 +355,8 @@ class LocalWorkerConnection(WorkerConnection):
 
 
 def worker_connection(argv: list[str]) -> LocalWorkerConnection:
-    """Build the worker side from the command line ``<socket fd> <memory fd>``."""
+    """Build the worker side from the command line ``<socket fd> <memory fd> <spin seconds>``."""
     # Ctrl-C in a terminal reaches the whole process group; the learner handles it and closes us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    socket_fd, memory_fd = map(int, argv)
-    return LocalWorkerConnection(socket_fd, memory_fd)
+    socket_fd, memory_fd, spin = argv
+    return LocalWorkerConnection(int(socket_fd), int(memory_fd), float(spin))

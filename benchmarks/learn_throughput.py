@@ -1,0 +1,176 @@
+"""Whole SB3 ``learn()`` calls with each vectorizer: env steps per second, and where the time goes.
+
+    python benchmarks/learn_throughput.py [--runs ppo_halfcheetah ppo_pong sac_halfcheetah]
+                                          [--json benchmarks/results/learn_throughput.json]
+
+What a user sees end to end, policy updates included. Runs (defaults follow rl-baselines3-zoo's
+shapes, shortened):
+
+- ``ppo_halfcheetah``: PPO, HalfCheetah-v5, 16 envs, ``n_steps=64``, one epoch, 65,536 steps;
+- ``ppo_pong``: PPO with ``CnnPolicy``, Pong with SB3's Atari preprocessing and 4 stacked frames,
+  16 envs, ``n_steps=128``, one epoch, 16,384 steps;
+- ``sac_halfcheetah``: SAC, HalfCheetah-v5, 4 envs, one gradient step per transition, 4,000 steps
+  after 1,000 random ones.
+
+Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference);
+PPO also with ``clusterenv_sb3.PPO`` (the policy on the workers), without and with
+``overlap_collection``. The time inside ``collect_rollouts`` and inside ``train`` is reported
+apart (with overlap, collection runs during training, so ``collect`` is only the wait for it);
+``setup`` is the rest of ``learn()`` (for worker-side inference: deploying the policy, the workers'
+torch start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+from stable_baselines3 import PPO, SAC
+from stable_baselines3.common.env_util import make_atari_env, make_vec_env
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecFrameStack
+
+import clusterenv_sb3
+from clusterenv_sb3 import ClusterVecEnv
+
+VEC_ENVS: dict[str, tuple[type, dict]] = {
+    "DummyVecEnv": (DummyVecEnv, {}),
+    "SubprocVecEnv(fork)": (SubprocVecEnv, {"start_method": "fork"}),
+    "ClusterVecEnv": (ClusterVecEnv, {}),
+}
+
+
+def _timed(model: Any, name: str, totals: dict[str, float]) -> None:
+    """Wrap ``model.<name>`` so the seconds spent inside it add up in ``totals[name]``."""
+    inner = getattr(model, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - started
+
+    setattr(model, name, timed)
+
+
+def _halfcheetah(vec_env_cls: type, vec_env_kwargs: dict, n_envs: int) -> Any:
+    return make_vec_env("HalfCheetah-v5", n_envs=n_envs, seed=0, vec_env_cls=vec_env_cls, vec_env_kwargs=vec_env_kwargs)
+
+
+def _pong(vec_env_cls: type, vec_env_kwargs: dict, n_envs: int) -> Any:
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    venv = make_atari_env("PongNoFrameskip-v4", n_envs=n_envs, seed=0, vec_env_cls=vec_env_cls, vec_env_kwargs=vec_env_kwargs)
+    return VecFrameStack(venv, n_stack=4)
+
+
+# name -> (make env, n_envs, algorithm factory, total timesteps, worker-side variants)
+RUNS: dict[str, dict[str, Any]] = {
+    "ppo_halfcheetah": {
+        "make_env": _halfcheetah,
+        "n_envs": 16,
+        "algorithm": lambda cls, env: cls("MlpPolicy", env, n_steps=64, batch_size=256, n_epochs=1, seed=0, device="cpu"),
+        "timesteps": 65_536,
+        "worker_side": True,
+    },
+    "ppo_pong": {
+        "make_env": _pong,
+        "n_envs": 16,
+        "algorithm": lambda cls, env: cls("CnnPolicy", env, n_steps=128, batch_size=256, n_epochs=1, seed=0, device="cpu"),
+        "timesteps": 16_384,
+        "worker_side": False,  # the workers' policy copy would need VecFrameStack, which runs in the learner
+    },
+    "sac_halfcheetah": {
+        "make_env": _halfcheetah,
+        "n_envs": 4,
+        "algorithm": lambda cls, env: cls("MlpPolicy", env, learning_starts=1_000, gradient_steps=-1, seed=0, device="cpu"),
+        "timesteps": 5_000,
+        "worker_side": False,  # SAC with worker-side actors: not built yet
+    },
+}
+
+
+def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, algorithm_cls: type, **extra: Any) -> dict:
+    started = time.perf_counter()
+    env = run["make_env"](vec_env_cls, vec_env_kwargs, run["n_envs"])
+    construct = time.perf_counter() - started
+    totals = {"collect_rollouts": 0.0, "train": 0.0}
+    try:
+        model = run["algorithm"](functools.partial(algorithm_cls, **extra), env)
+        _timed(model, "collect_rollouts", totals)
+        _timed(model, "train", totals)
+        started = time.perf_counter()
+        model.learn(run["timesteps"])
+        wall = time.perf_counter() - started
+        steps = model.num_timesteps
+    finally:
+        env.close()
+    return {
+        "vec_env": vec_name,
+        "env_steps": steps,
+        "learn_s": wall,
+        "steps_per_s": steps / wall,
+        "collect_s": totals["collect_rollouts"],
+        "train_s": totals["train"],
+        "setup_s": wall - totals["collect_rollouts"] - totals["train"],
+        "construct_s": construct,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "learn_throughput.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    results = []
+    for name in args.runs:
+        run = RUNS[name]
+        algorithm = PPO if name.startswith("ppo") else SAC
+        configs: list[tuple[str, type, dict, type, dict]] = [
+            (vec_name, cls, kwargs, algorithm, {}) for vec_name, (cls, kwargs) in VEC_ENVS.items()
+        ]
+        if run["worker_side"]:
+            configs.append(("clusterenv_sb3.PPO", ClusterVecEnv, {}, clusterenv_sb3.PPO, {}))
+            configs.append(("clusterenv_sb3.PPO, overlap", ClusterVecEnv, {}, clusterenv_sb3.PPO, {"overlap_collection": True}))
+        rows = []
+        for vec_name, cls, kwargs, algorithm_cls, extra in configs:
+            row = measure(run, vec_name, cls, kwargs, algorithm_cls, **extra)
+            row["run"] = name
+            rows.append(row)
+            print(
+                f"{name:16s} {vec_name:30s} {row['steps_per_s']:7.0f} env steps/s  learn {row['learn_s']:6.1f} s"
+                f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})",
+                flush=True,
+            )
+        dummy = rows[0]["steps_per_s"]
+        for row in rows:
+            row["vs_dummy"] = row["steps_per_s"] / dummy
+        results += rows
+
+    print()
+    print("| run | vectorizer | env steps/s | vs Dummy | learn (s) | collect (s) | train (s) | setup (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        print(
+            f"| {row['run']} | {row['vec_env']} | {row['steps_per_s']:,.0f} | {row['vs_dummy']:.2f}x | {row['learn_s']:.1f} |"
+            f" {row['collect_s']:.1f} | {row['train_s']:.1f} | {row['setup_s']:.1f} |"
+        )
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as file:
+        machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+        json.dump({"machine": machine, "results": results}, file, indent=2)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
