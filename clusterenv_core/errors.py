@@ -63,6 +63,11 @@ class EnvAttributeError(EnvError, AttributeError):
     """
 
 
+class InvalidEnvOutput(ValueError):
+    """An env returned something its spaces or the Gymnasium API do not allow (raised on the worker;
+    the learner gets an :class:`EnvError` whose ``exc_type`` names this class)."""
+
+
 class SpaceMismatchError(ValueError):
     """The envs of one pool do not all have the same observation and action spaces."""
 

@@ -14,6 +14,7 @@ the worker's dependencies do not import.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -40,6 +41,9 @@ def run_worker_program(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     backend, backend_argv = (argv[0], argv[1:]) if argv else ("mpi", [])
+    # A crash in an env's C code (MuJoCo, ALE, ...) then leaves a Python traceback on stderr, which
+    # the learner shows in its WorkerLostError (local backend) or the launcher forwards (MPI).
+    faulthandler.enable()
     try:
         from clusterenv_core.transports import worker_connection
         from clusterenv_core.worker import serve

@@ -105,11 +105,45 @@ class SpaceLayout:
         if isinstance(node, int):
             arrays[node][row] = value
         elif node[0] == "dict":
+            if len(value) != len(node[1]):  # extra keys would be dropped without a word
+                raise ValueError(f"{len(value)} keys where the space has {len(node[1])}")
             for key, child in zip(node[1], node[2]):
                 self._write(child, arrays, row, value[key])
         else:
+            if len(value) != len(node[1]):  # zip would drop extra items, or leave old ones
+                raise ValueError(f"{len(value)} items where the space has {len(node[1])}")
             for child, item in zip(node[1], value):
                 self._write(child, arrays, row, item)
+
+    def mismatch(self, value: Any) -> str:
+        """What in ``value`` does not fit the space: for error messages, after a write failed."""
+        return self._mismatch(self._tree, value, self.prefix)
+
+    def _mismatch(self, node: Any, value: Any, where: str) -> str:
+        if isinstance(node, int):
+            field = self.fields[node]
+            try:
+                array = np.asarray(value)
+            except Exception as error:
+                return f"{where}: {describe(value)} is no array ({error})"
+            if array.shape != field.shape:
+                return f"{where}: shape {array.shape} where the space has {field.shape}"
+            if not np.can_cast(array.dtype, field.dtype, casting="unsafe") or array.dtype.kind in "OSUV":
+                return f"{where}: dtype {array.dtype} where the space has {field.dtype}"
+            return ""
+        if node[0] == "dict":
+            if not isinstance(value, dict):
+                return f"{where}: {describe(value)} where the space has a dict with keys {node[1]}"
+            missing = [key for key in node[1] if key not in value]
+            extra = [key for key in value if key not in node[1]]
+            if missing or extra:
+                return f"{where}: keys {sorted(value)} where the space has {node[1]} (missing {missing}, extra {extra})"
+            problems = (self._mismatch(child, value[key], f"{where}[{key!r}]") for key, child in zip(node[1], node[2]))
+        else:
+            if not isinstance(value, (tuple, list)) or len(value) != len(node[1]):
+                return f"{where}: {describe(value)} where the space has a tuple of {len(node[1])}"
+            problems = (self._mismatch(child, item, f"{where}[{i}]") for i, (child, item) in enumerate(zip(node[1], value)))
+        return next((problem for problem in problems if problem), "")
 
     def read(self, arrays: list[np.ndarray], row: int) -> Any:
         """One env's value at ``row`` as an independent copy (numpy scalar for 0-d leaves)."""
@@ -264,3 +298,16 @@ def common_spaces(per_env: list[tuple[spaces.Space, spaces.Space]]) -> tuple[spa
                 "all envs of a pool must share their spaces"
             )
     return observation_space, action_space
+
+
+def describe(value: Any) -> str:
+    """A short description of a value's type and shape, for error messages."""
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype} {value.shape}"
+    if isinstance(value, np.generic):
+        return f"numpy {type(value).__name__}"
+    if isinstance(value, dict):
+        return f"{type(value).__name__} with keys {list(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__

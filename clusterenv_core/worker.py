@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 
 from clusterenv_core import protocol, registry
+from clusterenv_core.env_output import checked_reset, checked_step, unpicklable_part
+from clusterenv_core.errors import InvalidEnvOutput
 from clusterenv_core.protocol import ERROR, OK, PROGRESS, RESTART_INFO_KEY, ErrorDetails
 from clusterenv_core.transports.base import WorkerConnection
 
@@ -108,7 +110,7 @@ class EnvBlock:
     def _make_env(self, slot: int) -> Any:
         try:
             return self.env_fns[slot]()
-        except Exception as error:
+        except BaseException as error:
             raise RemoteFailure(slot, "creating the env", error) from error
 
     def describe(self) -> protocol.BlockDescription:
@@ -144,32 +146,42 @@ class EnvBlock:
         row = self.row0
         for slot, env in enumerate(self.envs):
             index = self.first_index + slot
+            # Whatever the env does or returns, a failure here is the env's (an EnvError on the learner,
+            # or a replaced env): its output is checked where it is used anyway, at no cost when good.
             try:
                 if next_step and self.needs_reset[slot]:
-                    obs, info = env.reset()
+                    obs, info = checked_reset(env.reset())
                     reward, term, trunc = 0.0, False, False
                 else:
-                    obs, reward, term, trunc, info = env.step(read_action(row))
+                    obs, reward, term, trunc, info = checked_step(env.step(read_action(row)))
                 if term or trunc:
                     if same_step:
                         if buffered_final and self.final_layout.conforms(obs):
                             self.write_final_obs(row, obs)
                         else:
                             final_obs[index] = obs
-                        obs, reset_info = env.reset()
+                        obs, reset_info = checked_reset(env.reset())
                         if reset_info:
                             reset_infos[index] = reset_info
                     elif next_step:
                         self.needs_reset[slot] = True
                 elif next_step:
                     self.needs_reset[slot] = False
-            except Exception as error:
+                if buffered_obs:
+                    try:
+                        write_obs(row, obs)
+                    except Exception as error:
+                        raise self._obs_error(obs, error) from error
+            except BaseException as error:
                 if self.env_restarts[slot] >= self.max_env_restarts:
                     raise RemoteFailure(slot, "step", error) from error
                 obs, reward, term, trunc, info = self._replace_env(slot, error, final_obs, reset_infos)
-            if buffered_obs:
-                write_obs(row, obs)
-            else:
+                if buffered_obs:
+                    try:
+                        write_obs(row, obs)
+                    except Exception as write_error:
+                        raise RemoteFailure(slot, "reset of a replaced env", self._obs_error(obs, write_error)) from error
+            if not buffered_obs:
                 pickled_obs[index] = self.last_pickled_obs[slot] = obs
             rewards.append(reward)
             terminations.append(term)
@@ -184,7 +196,12 @@ class EnvBlock:
         buffers.truncated[self.rows] = truncations
         return _parts(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
 
-    def _replace_env(self, slot: int, error: Exception, final_obs: dict, reset_infos: dict) -> tuple:
+    def _obs_error(self, obs: Any, error: Exception) -> InvalidEnvOutput:
+        layout = self.obs_layout
+        problem = layout.mismatch(obs) or f"{type(error).__name__}: {error}"
+        return InvalidEnvOutput(f"the observation does not fit the observation space {layout.space}: {problem}")
+
+    def _replace_env(self, slot: int, error: BaseException, final_obs: dict, reset_infos: dict) -> tuple:
         """Swap a raising env for a new one; the interrupted episode ends truncated.
 
         The episode's last observation is the one from before the failed step. In ``same_step``
@@ -196,7 +213,7 @@ class EnvBlock:
         previous_obs = self.read_obs(row) if self.obs_layout.buffered else self.last_pickled_obs[slot]
         try:
             self.envs[slot].close()
-        except Exception:
+        except BaseException:
             pass  # the env is already broken; its replacement matters, not its last words
         self.envs[slot] = self._make_env(slot)
         reason = (
@@ -207,8 +224,8 @@ class EnvBlock:
         if self.autoreset_mode == "same_step":
             final_obs[index] = previous_obs
             try:
-                obs, reset_info = self.envs[slot].reset()
-            except Exception as reset_error:
+                obs, reset_info = checked_reset(self.envs[slot].reset())
+            except BaseException as reset_error:
                 raise RemoteFailure(slot, "reset of a replaced env", reset_error) from reset_error
             if reset_info:
                 reset_infos[index] = reset_info
@@ -224,14 +241,17 @@ class EnvBlock:
             if mask is not None and not mask[slot]:
                 continue
             try:
-                obs, info = env.reset(seed=seeds[slot], options=options[slot])
-            except Exception as error:
+                obs, info = checked_reset(env.reset(seed=seeds[slot], options=options[slot]))
+                if self.obs_layout.buffered:
+                    try:
+                        self.write_obs(self.row0 + slot, obs)
+                    except Exception as error:
+                        raise self._obs_error(obs, error) from error
+            except BaseException as error:
                 raise RemoteFailure(slot, "reset", error) from error
             self.needs_reset[slot] = False
             index = self.first_index + slot
-            if self.obs_layout.buffered:
-                self.write_obs(self.row0 + slot, obs)
-            else:
+            if not self.obs_layout.buffered:
                 pickled_obs[index] = self.last_pickled_obs[slot] = obs
             if info:
                 infos[index] = info
@@ -294,7 +314,7 @@ class EnvBlock:
                     raise TypeError(f"attribute {name!r} of the env is not callable")
                 else:
                     results.append(attribute)
-            except Exception as error:
+            except BaseException as error:
                 raise RemoteFailure(slot, f"call {name}", error) from error
         return results
 
@@ -303,7 +323,7 @@ class EnvBlock:
         for slot in slots:
             try:
                 results.append(_get_wrapper_attr(self.envs[slot], name))
-            except Exception as error:
+            except BaseException as error:
                 raise RemoteFailure(slot, f"get_attr {name}", error) from error
         return results
 
@@ -317,7 +337,7 @@ class EnvBlock:
                     env.set_wrapper_attr(name, value)
                 else:
                     setattr(env, name, value)
-            except Exception as error:
+            except BaseException as error:
                 raise RemoteFailure(slot, f"set_attr {name}", error) from error
 
     def is_wrapped(self, wrapper_class: type, slots: list[int]) -> list[bool]:
@@ -338,7 +358,7 @@ class EnvBlock:
         for slot, env in enumerate(self.envs):
             try:
                 env.close()
-            except Exception as error:
+            except BaseException as error:
                 errors.append(RemoteFailure(slot, "close", error))
         self.envs = []
         if errors:
@@ -380,9 +400,13 @@ class Worker:
                 return 0
             if type(request) is str:  # STEP, the fast path
                 try:
-                    connection.send_step((OK, self.block.step()))
+                    reply = (OK, self.block.step())
                 except RemoteFailure as failure:
-                    connection.send_step(failure.reply(self.first_index))
+                    reply = failure.reply(self.first_index)
+                try:
+                    connection.send_step(reply)
+                except Exception as error:  # the reply cannot be pickled: nothing was sent
+                    connection.send_step(self._unsendable(reply, error, "step"))
                 continue
             arrays = None
             try:
@@ -397,7 +421,11 @@ class Worker:
                 reply = failure.reply(self.first_index)
             except Exception as error:  # a bug or a bad message: report it rather than die silently
                 reply = RemoteFailure(None, type(request).__name__, error).reply(0)
-            connection.send(reply)
+            try:
+                connection.send(reply)
+            except Exception as error:  # the reply cannot be pickled: nothing was sent
+                reply = self._unsendable(reply, error, type(request).__name__.lower())
+                connection.send(reply)
             if reply[0] == OK:
                 if request.REPLY_ROWS:
                     connection.send_rows()
@@ -405,6 +433,13 @@ class Worker:
                     connection.send_arrays(arrays)
             if isinstance(request, protocol.Close):
                 return 0
+
+    def _unsendable(self, reply: tuple, error: Exception, operation: str) -> tuple:
+        """The error reply for a reply that cannot be pickled, naming the env and info key responsible."""
+        index, what = unpicklable_part(reply[1])
+        slot = None if index is None else index - self.first_index
+        failure = InvalidEnvOutput(f"{what} cannot be pickled to reach the learner ({type(error).__name__}: {error})")
+        return RemoteFailure(slot, operation, failure).reply(self.first_index)
 
     def shutdown(self) -> None:
         """Close whatever envs are left and the connection, however serving ended."""

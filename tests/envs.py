@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 
 import gymnasium as gym
@@ -190,3 +191,90 @@ class Coin(spaces.Space):
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Coin)
+
+
+class MisbehavingEnv(gym.Env):
+    """A well-behaved env (Box(3) or Dict observations) that, at step ``bad_at``, returns or does
+    what ``mode`` names: what users' envs get wrong while being written."""
+
+    MODES = (
+        "obs_shape",
+        "dict_missing_key",
+        "dict_extra_key",
+        "reward_array",
+        "flag_not_bool",
+        "step_tuple",
+        "reset_obs_only",
+        "info_unpicklable",
+        "system_exit",
+    )
+
+    def __init__(self, mode: str, bad_at: int = 3) -> None:
+        assert mode in self.MODES, mode
+        self.mode, self.bad_at = mode, bad_at
+        self.dict_obs = mode.startswith("dict")
+        box = spaces.Box(-1.0, 1.0, (3,), np.float32)
+        self.observation_space = spaces.Dict({"a": box, "b": spaces.Discrete(2)}) if self.dict_obs else box
+        self.action_space = spaces.Discrete(2)
+        self.reward = 1.0  # the reward of every good step
+        self.t = 0
+
+    def make_lock(self) -> threading.Lock:
+        """A method whose result cannot be pickled."""
+        return threading.Lock()
+
+    def _obs(self):
+        value = np.full(3, self.t / 100, np.float32)
+        return {"a": value, "b": np.int64(self.t % 2)} if self.dict_obs else value
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        if self.mode == "reset_obs_only" and (options or {}).get("bad"):
+            return self._obs()
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        obs, reward, terminated, info = self._obs(), self.reward, False, {}
+        if self.t == self.bad_at:
+            mode = self.mode
+            if mode == "obs_shape":
+                obs = np.zeros(5)
+            elif mode == "dict_missing_key":
+                obs = {"a": obs["a"]}
+            elif mode == "dict_extra_key":
+                obs = dict(obs, z=1)
+            elif mode == "reward_array":
+                reward = np.array([1.0, 2.0])
+            elif mode == "flag_not_bool":
+                terminated = "yes"
+            elif mode == "step_tuple":
+                return obs, reward, terminated, info
+            elif mode == "info_unpicklable":
+                info = {"fine": 1, "lock": threading.Lock()}
+            elif mode == "system_exit":
+                raise SystemExit(4)
+        return obs, reward, terminated, False, info
+
+
+class CrashingEnv(gym.Wrapper):
+    """Writes a line to stderr, then crashes its process at step ``crash_at``: ``segfault`` (as a
+    bug in an env's C code would: faulthandler dumps the traceback) or ``exit`` (``os._exit(3)``)."""
+
+    def __init__(self, env: gym.Env, crash_at: int, how: str = "segfault") -> None:
+        super().__init__(env)
+        self.crash_at, self.how = crash_at, how
+        self.total_steps = 0
+
+    def step(self, action):
+        self.total_steps += 1
+        if self.total_steps == self.crash_at:
+            import ctypes
+            import sys
+
+            print(f"simulator: giving up at step {self.total_steps}", file=sys.stderr, flush=True)
+            if self.how == "segfault":
+                ctypes.string_at(0)
+            os._exit(3)
+        return self.env.step(action)

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
-from tests.envs import FailingEnv, HangingEnv, SuicidalEnv
+from tests.envs import CrashingEnv, FailingEnv, HangingEnv, SuicidalEnv
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -114,6 +114,24 @@ def test_bad_actions_raise_before_anything_is_sent(no_leaks):
         pool.reset(seeds=[1, 2])
     result = _step_zeros(pool)  # nothing was sent: the pool is still in step with its workers
     assert result.rewards.tolist() == [1.0, 1.0, 1.0]
+    pool.close()
+
+
+@pytest.mark.parametrize("how, status", [("segfault", "killed by SIGSEGV"), ("exit", "exited with code 3")])
+def test_a_dead_worker_says_why(no_leaks, how, status):
+    """WorkerLostError carries the exit status and the last lines the worker wrote to stderr: here
+    the env's own message and, after a segfault, faulthandler's traceback of where it happened."""
+    env_fns = [CARTPOLE, functools.partial(_wrapped, CrashingEnv, crash_at=2, how=how)]
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    _step_zeros(pool)
+    with pytest.raises(WorkerLostError) as caught:
+        _step_zeros(pool)
+    message = str(caught.value)
+    assert "worker 1 (pid" in message and status in message, message
+    assert "The last lines it wrote to stderr" in message and "simulator: giving up at step 2" in message, message
+    if how == "segfault":
+        assert "Fatal Python error: Segmentation fault" in message and "in step" in message, message
     pool.close()
 
 

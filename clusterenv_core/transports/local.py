@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -138,6 +139,114 @@ class _MessageSocket:
                 still_alive()
 
 
+class _StderrTails:
+    """Forwards each worker's stderr to the learner's and keeps its last lines, so that a worker that
+    dies can say why (a Python traceback, or faulthandler's dump after a segfault in a C extension).
+
+    One thread reads every worker's pipe; a write end is handed to each worker process as its stderr.
+    """
+
+    def __init__(self, keep_bytes: int = 8192) -> None:
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._worker_of: dict[int, int] = {}  # read end -> worker
+        self._current: dict[int, int] = {}  # worker -> read end of its current process
+        self._tails: dict[int, bytearray] = {}  # read end -> the last bytes read
+        self._finished: set[int] = set()  # read ends that reached end-of-file
+        self._wake_read, self._wake_write = os.pipe()
+        self._thread: threading.Thread | None = None
+
+    def new_pipe(self, worker: int) -> int:
+        """A write end for a new process of ``worker`` (the caller closes it once the process has it)."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        with self._lock:
+            self._worker_of[read_end] = worker
+            self._current[worker] = read_end
+            self._tails[read_end] = bytearray()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._forward, name="clusterenv-worker-stderr", daemon=True)
+            self._thread.start()
+        os.write(self._wake_write, b"n")
+        return write_end
+
+    def _forward(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_read, select.POLLIN)
+        watched: set[int] = set()
+        while True:
+            with self._lock:
+                for read_end in set(self._worker_of) - watched - self._finished:
+                    poller.register(read_end, select.POLLIN)
+                    watched.add(read_end)
+            for fd, _ in poller.poll():
+                if fd == self._wake_read:
+                    if os.read(self._wake_read, 4096).endswith(b"q"):
+                        for read_end in list(watched):  # what the exited workers wrote last
+                            while self._read(read_end):
+                                pass
+                        return
+                elif not self._read(fd):
+                    poller.unregister(fd)
+                    watched.discard(fd)
+
+    def _read(self, fd: int) -> bool:
+        """Forward and keep what ``fd`` has; False once it has nothing now or reached end-of-file."""
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not data:
+            with self._lock:
+                self._finished.add(fd)
+            os.close(fd)
+            return False
+        _write_all(2, data)
+        with self._lock:
+            tail = self._tails[fd]
+            tail += data
+            del tail[: max(len(tail) - self.keep_bytes, 0)]
+        return True
+
+    def last_lines(self, worker: int, wait: float = 1.0, lines: int = 20) -> str:
+        """The last ``lines`` lines the current process of ``worker`` wrote, once its stderr closed
+        (or after ``wait`` seconds)."""
+        with self._lock:
+            read_end = self._current.get(worker)
+        if read_end is None:
+            return ""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with self._lock:
+                if read_end in self._finished:
+                    break
+            time.sleep(0.01)
+        with self._lock:
+            text = bytes(self._tails.get(read_end, b"")).decode(errors="replace")
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self._wake_read < 0:
+            return
+        if self._thread is not None:
+            os.write(self._wake_write, b"q")
+            self._thread.join(timeout=1.0)
+        with self._lock:
+            still_open = set(self._worker_of) - self._finished
+            self._finished |= still_open
+        for fd in (*still_open, self._wake_read, self._wake_write):
+            os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass  # the learner's stderr is gone; the tail is still kept
+
+
 def _anonymous_file() -> int:
     """A file descriptor of memory with no name anywhere in the file system."""
     if hasattr(os, "memfd_create"):
@@ -177,6 +286,7 @@ class LocalTransport(Transport):
         )
         self.processes: list[subprocess.Popen] = []
         self.sockets: list[_MessageSocket] = []
+        self._stderr = _StderrTails()
         self.memory_fd: int | None = None
         self.memory: mmap.mmap | None = None
         self.memory_size = 0
@@ -203,13 +313,17 @@ class LocalTransport(Transport):
         fds = (worker_end.fileno(), self.memory_fd)
         spin = self.worker_spin if worker < self.spinning_workers else 0.0
         command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds), repr(spin)]
+        stderr = self._stderr.new_pipe(worker)
         try:
-            process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, env=self._worker_env)
+            process = subprocess.Popen(
+                command, pass_fds=fds, stdin=subprocess.DEVNULL, stderr=stderr, env=self._worker_env
+            )
         except BaseException:
             learner_end.close()
             raise
         finally:
             worker_end.close()
+            os.close(stderr)
         return process, _MessageSocket(learner_end)
 
     def restart(self, worker: int, timeout: float) -> None:
@@ -259,7 +373,10 @@ class LocalTransport(Transport):
             status = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
         except (subprocess.TimeoutExpired, ValueError):
             status = "is unresponsive"
-        return WorkerLostError(f"worker {worker} (pid {process.pid}) {status}: {why}")
+            return WorkerLostError(f"worker {worker} (pid {process.pid}) {status}: {why}")
+        last_lines = self._stderr.last_lines(worker)
+        said = f"\n\nThe last lines it wrote to stderr:\n{last_lines}" if last_lines else " (it wrote nothing to stderr)"
+        return WorkerLostError(f"worker {worker} (pid {process.pid}) {status}: {why}{said}")
 
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
         nbytes = spec.nbytes()
@@ -296,6 +413,7 @@ class LocalTransport(Transport):
         for channel in self.sockets:
             channel.sock.close()
         self.processes, self.sockets = [], []
+        self._stderr.close()
         for mapping in [self.memory, *self.regions]:
             if mapping is not None:
                 try:
