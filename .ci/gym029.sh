@@ -15,7 +15,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # ale-py 0.9.0 is the last release for gymnasium 0.29 (its ids register on `import ale_py`);
 # mujoco 2.3.7 is the one gymnasium 0.29's MuJoCo envs were written for.
-"$venv/bin/python" -m pip install --quiet "gymnasium==0.29.1" numpy cloudpickle pytest pytest-timeout psutil \
+"$venv/bin/python" -m pip install --quiet "gymnasium==0.29.1" numpy cloudpickle pytest pytest-timeout psutil hypothesis \
     "ale-py==0.9.0" "mujoco==2.3.7" imageio
 # --no-deps: the package's own requirements are met above; its extras (SB3, torch) are not wanted here.
 "$venv/bin/python" -m pip install --quiet --no-deps -e "$root"
@@ -25,4 +25,4 @@ cd "$root"
 # The training test needs torch and skips itself, the SB3 parts skip too; the contract, failure,
 # registry (ids from the user's script and from ale_py), action-form and Atari/MuJoCo tests run.
 "$venv/bin/python" -m pytest tests/test_cleanrl_vector_env.py tests/test_cleanrl_failures.py tests/test_cleanrl_training.py \
-    tests/test_registry.py tests/test_action_forms.py tests/test_workloads.py -q
+    tests/test_registry.py tests/test_action_forms.py tests/test_workloads.py tests/test_env_output.py tests/test_fuzz.py -q

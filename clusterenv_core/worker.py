@@ -175,6 +175,7 @@ class EnvBlock:
             except BaseException as error:
                 if self.env_restarts[slot] >= self.max_env_restarts:
                     raise RemoteFailure(slot, "step", error) from error
+                reset_infos.pop(index, None)  # of a reset that failed half-way, if any
                 obs, reward, term, trunc, info = self._replace_env(slot, error, final_obs, reset_infos)
                 if buffered_obs:
                     try:

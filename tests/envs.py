@@ -6,6 +6,7 @@ import copy
 import os
 import threading
 import time
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -278,3 +279,56 @@ class CrashingEnv(gym.Wrapper):
                 ctypes.string_at(0)
             os._exit(3)
         return self.env.step(action)
+
+
+class FuzzEnv(gym.Env):
+    """An env drawn by the differential fuzzer (``tests/test_fuzz.py``): any observation and action
+    spaces, random episode lengths, terminations and truncations, and infos of every shape, all from
+    the env's own RNG, so the same seeds give the same run in any vectorizer.
+
+    :param observation_space: the observation space (copied)
+    :param action_space: the action space (copied)
+    :param terminate_p: probability of a termination at each step
+    :param max_steps: episodes are truncated after this many steps
+    :param info_kind: ``"none"``, ``"scalars"`` (Python and numpy numbers), ``"nested"`` (dicts and
+        arrays inside) or ``"mixed"`` (a random one of these each step)
+    """
+
+    INFO_KINDS = ("none", "scalars", "nested", "mixed")
+
+    def __init__(
+        self, observation_space: spaces.Space, action_space: spaces.Space, terminate_p: float, max_steps: int, info_kind: str
+    ) -> None:
+        self.observation_space = copy.deepcopy(observation_space)
+        self.action_space = copy.deepcopy(action_space)
+        self.terminate_p, self.max_steps, self.info_kind = terminate_p, max_steps, info_kind
+        self.t = 0
+
+    def _info(self) -> dict:
+        kind = self.info_kind
+        if kind == "mixed":
+            kind = self.INFO_KINDS[int(self.np_random.integers(3))]
+        if kind == "none":
+            return {}
+        if kind == "scalars":
+            return {"t": self.t, "x": float(self.np_random.random()), "y": np.float32(self.np_random.random())}
+        return {"nested": {"a": np.arange(3) * self.t, "b": [self.t, "s"]}, "flag": bool(self.t % 2)}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self.t = 0
+        info = self._info()
+        if options is not None:
+            info["options"] = options
+        return self.observation_space.sample(), info
+
+    def step(self, action):
+        with warnings.catch_warnings():  # Box.contains warns about numpy scalars for 0-d spaces
+            warnings.simplefilter("ignore")
+            assert self.action_space.contains(action), f"{action!r} is not in {self.action_space}"
+        self.t += 1
+        terminated = bool(self.np_random.random() < self.terminate_p)
+        truncated = self.t >= self.max_steps
+        reward = float(self.np_random.normal())
+        return self.observation_space.sample(), reward, terminated, truncated, self._info()

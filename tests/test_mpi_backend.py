@@ -123,6 +123,13 @@ def test_ppo_parameters_identical_to_dummy_vec_env(no_shm_left, mode):
     assert code == 0 and "OK ppo" in output, output
 
 
+def test_fuzzer_agrees_on_mpi():
+    """The differential fuzzer's properties (tests/test_fuzz.py) with spawned MPI workers."""
+    pytest.importorskip("hypothesis")
+    code, output, _ = launch("spawn", "fuzz.py", "4")
+    assert code == 0 and "OK fuzz" in output, output
+
+
 # -- faults ----------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,37 @@
+"""The differential fuzzer's properties (``tests/test_fuzz.py``) on the MPI backend, spawn mode.
+
+    python fuzz.py [examples]
+
+Prints ``OK fuzz`` when every example agreed with the single-process baselines.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+os.environ.setdefault("CLUSTERENV_FUZZ_EXAMPLES", sys.argv[1] if len(sys.argv) > 1 else "4")
+
+from hypothesis import given  # noqa: E402
+
+from tests import test_fuzz  # noqa: E402
+
+
+@test_fuzz.FUZZ
+@given(test_fuzz.SB3_SCENARIOS)
+def vec_env(scenario):
+    test_fuzz.check_vec_env(scenario, backend="mpi")
+
+
+@test_fuzz.FUZZ
+@given(test_fuzz.SCENARIOS)
+def vector_env(scenario):
+    test_fuzz.check_vector_env(scenario, test_fuzz.AUTORESET_MODES[0], backend="mpi")
+
+
+if __name__ == "__main__":
+    vec_env()
+    vector_env()
+    print("OK fuzz", flush=True)
