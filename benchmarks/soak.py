@@ -1,19 +1,25 @@
 """Soak test: long runs must keep their speed and memory, also while envs and workers fail.
 
-    python benchmarks/soak.py [--steps 2000000] [--failure-steps 200000] [--envs 32]
+    python benchmarks/soak.py [--steps 2000000] [--failure-steps 200000] [--mpi-steps 1000000]
+                              [--atari-steps 200000] [--envs 32]
 
-Phase 1 runs ``--steps`` CartPole-v1 steps on ClusterVecEnv. Phase 2 runs ``--failure-steps``
-steps where every env raises with probability 1e-3 per step and a worker kills itself with
-probability 2e-5 per env step, with ``restart_failed_envs`` and ``restart_failed_workers`` on.
-Each phase prints steps/s per tenth of the run and the resident memory (RSS) of the learner and
-of the workers after warm-up (the first tenth) and at the end; the script exits with status 1 if
-any of them grew by more than 5%. Results go to benchmarks/results/soak.json.
+Phases, each on ClusterVecEnv: ``plain`` runs ``--steps`` CartPole-v1 steps; ``failures`` runs
+``--failure-steps`` steps where every env raises with probability 1e-3 per step and a worker kills
+itself with probability 2e-5 per env step, with ``restart_failed_envs`` and
+``restart_failed_workers`` on; ``mpi`` runs ``--mpi-steps`` CartPole steps on the MPI backend (2
+spawned ranks; skipped without mpi4py); ``atari`` runs ``--atari-steps`` steps of Pong with SB3's
+AtariWrapper and 4 stacked frames inside each env (4x84x84 observations through the buffers, 16
+envs; skipped without ale-py). Each phase prints steps/s per tenth of the run and the resident
+memory (RSS) of the learner and of the workers after warm-up (the first tenth) and at the end;
+the script exits with status 1 if any of them grew by more than 5%. Results go to
+benchmarks/results/soak.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -45,15 +51,27 @@ class RandomFailures(gym.Wrapper):
         return self.env.step(action)
 
 
+def make_stacked_pong() -> gym.Env:
+    import ale_py
+    from stable_baselines3.common.atari_wrappers import AtariWrapper
+
+    gym.register_envs(ale_py)
+    return gym.wrappers.FrameStackObservation(AtariWrapper(gym.make("PongNoFrameskip-v4")), 4)
+
+
 def rss_mb(venv: ClusterVecEnv) -> dict:
-    workers = [psutil.Process(p.pid).memory_info().rss for p in venv.pool._transport.processes]
+    transport = venv.pool._transport
+    pids = [process.pid for process in transport.processes] if hasattr(transport, "processes") else transport.pids
+    workers = [psutil.Process(pid).memory_info().rss for pid in pids]
     return {"learner": psutil.Process().memory_info().rss / 2**20, "workers": sum(workers) / 2**20}
 
 
 def run_phase(name: str, env_fn, num_envs: int, total_steps: int, **vec_kwargs) -> dict:
     venv = ClusterVecEnv([env_fn] * num_envs, **vec_kwargs)
     venv.reset()
-    actions = np.random.default_rng(0).integers(0, 2, size=(1000, num_envs))
+    space = venv.action_space
+    space.seed(0)
+    actions = [np.stack([space.sample() for _ in range(num_envs)]) for _ in range(1000)]
     batches = total_steps // num_envs
     tenth = max(batches // 10, 1)
     rates, memory = [], {}
@@ -86,6 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2_000_000)
     parser.add_argument("--failure-steps", type=int, default=200_000)
+    parser.add_argument("--mpi-steps", type=int, default=1_000_000)
+    parser.add_argument("--atari-steps", type=int, default=200_000)
     parser.add_argument("--envs", type=int, default=32)
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
     args = parser.parse_args()
@@ -102,6 +122,11 @@ def main() -> None:
             max_restarts=1_000_000,
         ),
     }
+    if importlib.util.find_spec("mpi4py") is not None and args.mpi_steps:
+        cartpole = functools.partial(gym.make, "CartPole-v1")
+        results["mpi"] = run_phase("mpi", cartpole, args.envs, args.mpi_steps, backend="mpi", num_workers=2)
+    if importlib.util.find_spec("ale_py") is not None and args.atari_steps:
+        results["atari"] = run_phase("atari", make_stacked_pong, 16, args.atari_steps)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as file:
         json.dump(results, file, indent=2)
