@@ -20,7 +20,7 @@ import numpy as np
 
 from clusterenv_core import protocol
 from clusterenv_core.buffers import field_views, fields_nbytes
-from clusterenv_core.checks import check_int, check_timeout
+from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
@@ -119,7 +119,7 @@ class WorkerActors:
         pool._check_usable()
         pool._check_not_stepping()
         n_steps = check_int("n_steps", n_steps, minimum=1)
-        timeout = pool.timeout if timeout is None else check_timeout(timeout)
+        timeout = pool.timeout if timeout is None else check_seconds("timeout", timeout)
         pool._drain()
         region = self._region(n_steps)
         for worker, block in enumerate(pool.blocks):
@@ -140,7 +140,7 @@ class WorkerActors:
         region = self._pending
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
-        timeout = self._pending_timeout if timeout is None else check_timeout(timeout)
+        timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
 
         def receive_segment(worker: int) -> None:
             block = pool.blocks[worker]

@@ -24,10 +24,16 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     return int(value)
 
 
-def check_timeout(value: Any, name: str = "timeout") -> float:
-    """A finite, positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False, below: float = float("inf")) -> float:
+    """A finite number of seconds, positive (or zero with ``allow_zero``) and less than ``below``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        ok = False
+    else:
+        ok = (value >= 0 if allow_zero else value > 0) and value < below and value != float("inf")
+    if not ok:
+        sign = "non-negative" if allow_zero else "positive"
+        limit = f" below {below:g}" if below != float("inf") else ""
+        raise ValueError(f"{name} must be a {sign} number of seconds{limit}, got {value!r}")
     return float(value)
 
 

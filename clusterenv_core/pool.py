@@ -22,8 +22,9 @@ import cloudpickle
 import numpy as np
 
 from clusterenv_core import protocol, registry
+from clusterenv_core.actors import DeprecatedPoolMethods
 from clusterenv_core.buffers import BatchSpec
-from clusterenv_core.checks import check_indices, check_int, check_timeout, is_int, per_env_values
+from clusterenv_core.checks import check_indices, check_int, check_seconds, is_int, per_env_values
 from clusterenv_core.errors import (
     ClusterEnvError,
     EnvAttributeError,
@@ -35,8 +36,6 @@ from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS, RESTA
 from clusterenv_core.results import ResetResult, StepResult
 from clusterenv_core.spaces import common_spaces
 from clusterenv_core.transports import Transport, make_transport
-
-from clusterenv_core.actors import DeprecatedPoolMethods
 
 if TYPE_CHECKING:
     from clusterenv_core.actors import WorkerActors
@@ -109,7 +108,7 @@ class EnvPool(DeprecatedPoolMethods):
         for index, env_fn in enumerate(env_fns):
             if not callable(env_fn):
                 raise TypeError(f"env_fns[{index}] is not callable: {env_fn!r}")
-        timeout = check_timeout(timeout)
+        timeout = check_seconds("timeout", timeout)
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         max_restarts = check_int("max_restarts", max_restarts, minimum=0)
@@ -169,7 +168,8 @@ class EnvPool(DeprecatedPoolMethods):
             for worker in range(num_workers):
                 self._send(worker, self._init_requests[worker])
             descriptions = self._gather(range(num_workers), "creating the envs", timeout=start_timeout)
-            self.observation_space, self.action_space = common_spaces([pair for worker in range(num_workers) for pair in descriptions[worker].spaces])
+            per_env_spaces = [pair for worker in range(num_workers) for pair in descriptions[worker].spaces]
+            self.observation_space, self.action_space = common_spaces(per_env_spaces)
             first = descriptions[0]
             self.metadata: dict = first.metadata
             self.render_mode: str | None = first.render_mode

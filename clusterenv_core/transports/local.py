@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
-from clusterenv_core.checks import check_int
+from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
@@ -276,11 +276,9 @@ class LocalTransport(Transport):
         worker_spin: float = 5e-4,
         spinning_workers: int | None = None,
     ) -> None:
-        if isinstance(worker_spin, bool) or not isinstance(worker_spin, (int, float)) or not 0 <= worker_spin < 1:
-            raise ValueError(f"worker_spin must be a number of seconds in [0, 1), got {worker_spin!r}")
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
-        self.worker_spin = float(worker_spin)
+        self.worker_spin = check_seconds("worker_spin", worker_spin, allow_zero=True, below=1.0)
         self.spinning_workers = (
             max((os.cpu_count() or 1) - 1, 0) if spinning_workers is None else check_int("spinning_workers", spinning_workers, 0)
         )

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps
 from clusterenv_core.transports.base import Transport
@@ -86,8 +87,7 @@ class MPITransport(Transport):
             ("worker_max_sleep", worker_max_sleep),
             ("liveness_interval", liveness_interval),
         ):
-            if not isinstance(value, (int, float)) or value < 0 or value == float("inf"):
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+            check_seconds(name, value, allow_zero=True)
         self.launch = launch
         self.python = python or sys.executable
         self.spawn_info = dict(spawn_info or {})
