@@ -404,10 +404,7 @@ class Worker:
                     reply = (OK, self.block.step())
                 except RemoteFailure as failure:
                     reply = failure.reply(self.first_index)
-                try:
-                    connection.send_step(reply)
-                except Exception as error:  # the reply cannot be pickled: nothing was sent
-                    connection.send_step(self._unsendable(reply, error, "step"))
+                self._send_reply(connection.send_step, reply, "step")
                 continue
             arrays = None
             try:
@@ -422,11 +419,7 @@ class Worker:
                 reply = failure.reply(self.first_index)
             except Exception as error:  # a bug or a bad message: report it rather than die silently
                 reply = RemoteFailure(None, type(request).__name__, error).reply(0)
-            try:
-                connection.send(reply)
-            except Exception as error:  # the reply cannot be pickled: nothing was sent
-                reply = self._unsendable(reply, error, type(request).__name__.lower())
-                connection.send(reply)
+            reply = self._send_reply(connection.send, reply, type(request).__name__.lower())
             if reply[0] == OK:
                 if request.REPLY_ROWS:
                     connection.send_rows()
@@ -435,12 +428,18 @@ class Worker:
             if isinstance(request, protocol.Close):
                 return 0
 
-    def _unsendable(self, reply: tuple, error: Exception, operation: str) -> tuple:
-        """The error reply for a reply that cannot be pickled, naming the env and info key responsible."""
-        index, what = unpicklable_part(reply[1])
-        slot = None if index is None else index - self.first_index
-        failure = InvalidEnvOutput(f"{what} cannot be pickled to reach the learner ({type(error).__name__}: {error})")
-        return RemoteFailure(slot, operation, failure).reply(self.first_index)
+    def _send_reply(self, send: Callable[[tuple], None], reply: tuple, operation: str) -> tuple:
+        """Send ``reply``; returns what was sent. Backends pickle before sending anything, so a reply
+        that cannot be pickled becomes an error reply naming the env and info key responsible."""
+        try:
+            send(reply)
+        except Exception as error:
+            index, what = unpicklable_part(reply[1])
+            slot = None if index is None else index - self.first_index
+            failure = InvalidEnvOutput(f"{what} cannot be pickled to reach the learner ({type(error).__name__}: {error})")
+            reply = RemoteFailure(slot, operation, failure).reply(self.first_index)
+            send(reply)
+        return reply
 
     def shutdown(self) -> None:
         """Close whatever envs are left and the connection, however serving ended."""

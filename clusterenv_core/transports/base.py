@@ -116,7 +116,11 @@ class WorkerConnection(ABC):
 
     @abstractmethod
     def send(self, message: Any) -> None:
-        """Send a reply (interim or final) to the last request."""
+        """Send a reply (interim or final) to the last request.
+
+        Pickle it before sending anything: a reply that cannot be pickled must raise with nothing
+        sent, so the worker can send an error reply in its place.
+        """
 
     def send_rows(self) -> None:
         """Send this worker's result rows after a reply (see :mod:`clusterenv_core.protocol`).
@@ -128,7 +132,8 @@ class WorkerConnection(ABC):
 
     @abstractmethod
     def send_step(self, reply: Any) -> None:
-        """Reply to a step: the result rows of this worker's block are in the buffers."""
+        """Reply to a step: the result rows of this worker's block are in the buffers. As with
+        :meth:`send`, a reply that cannot be pickled raises before anything is sent."""
 
     def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
         """Views of a region the learner laid out with ``fields`` for ``num_envs`` envs, and the row
