@@ -75,13 +75,6 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
-def _worker_pids(pool: EnvPool) -> list[int]:
-    transport = pool._transport
-    if hasattr(transport, "pids"):
-        return list(transport.pids)  # MPI: reported by the ranks at start
-    return [process.pid for process in transport.processes]
-
-
 def measure(backend: str, options: dict, seconds: float) -> dict:
     started = time.perf_counter()
     pool = EnvPool.make(
@@ -93,7 +86,7 @@ def measure(backend: str, options: dict, seconds: float) -> dict:
         pool.reset(seeds=list(range(NUM_ENVS)))
         for i in range(50):  # warm-up
             pool.step(actions[i])
-        pids = [os.getpid(), *_worker_pids(pool)]
+        pids = [os.getpid(), *pool.worker_pids]
         cpu_before = _cpu_seconds(pids)
         steps = 0
         started = time.perf_counter()

@@ -60,9 +60,7 @@ def make_stacked_pong() -> gym.Env:
 
 
 def rss_mb(venv: ClusterVecEnv) -> dict:
-    transport = venv.pool._transport
-    pids = [process.pid for process in transport.processes] if hasattr(transport, "processes") else transport.pids
-    workers = [psutil.Process(pid).memory_info().rss for pid in pids]
+    workers = [psutil.Process(pid).memory_info().rss for pid in venv.pool.worker_pids]
     return {"learner": psutil.Process().memory_info().rss / 2**20, "workers": sum(workers) / 2**20}
 
 

@@ -88,10 +88,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def _worker_pids(venv: Any) -> list[int]:
     if isinstance(venv, ClusterVecEnv):
-        transport = venv.pool._transport
-        if hasattr(transport, "processes"):
-            return [process.pid for process in transport.processes]
-        return list(transport.pids)
+        return venv.pool.worker_pids
     processes = getattr(venv, "processes", None) or []
     return [process.pid for process in processes]
 

@@ -519,6 +519,11 @@ class EnvPool(DeprecatedPoolMethods):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process id of each worker (an MPI rank's on its own host): to watch CPU or memory."""
+        return self._transport.worker_pids()
+
     def close(self) -> None:
         """Stop every worker and free every resource; idempotent, also runs at interpreter exit."""
         if self._closed:

@@ -37,10 +37,6 @@ def suicidal_cartpole(die_at: int) -> gym.Env:
     return SuicidalEnv(gym.make("CartPole-v1"), die_at=die_at)
 
 
-def worker_pids(env: ClusterVectorEnv) -> list[int]:
-    return [process.pid for process in env.pool._transport.processes]
-
-
 def assert_no_children_left(pids: list[int]) -> None:
     children = {child.pid for child in psutil.Process().children(recursive=True)}
     assert not children & set(pids), f"worker processes {children & set(pids)} are still alive"
@@ -55,7 +51,7 @@ def step_until_error(env: ClusterVectorEnv, max_steps: int = 50) -> None:
 def test_remote_exception_names_env_worker_and_traceback():
     env_fns = [make_cartpole] * 3 + [functools.partial(failing_cartpole, fail_at=5)]
     env = ClusterVectorEnv(env_fns, num_workers=NUM_WORKERS, timeout=20)
-    pids = worker_pids(env)
+    pids = env.pool.worker_pids
     with pytest.raises(EnvError) as raised:
         step_until_error(env)
     error = raised.value
@@ -97,7 +93,7 @@ def test_lost_worker(how):
     else:
         env_fns = [make_cartpole] * NUM_ENVS
     env = ClusterVectorEnv(env_fns, num_workers=NUM_WORKERS, timeout=20)
-    pids = worker_pids(env)
+    pids = env.pool.worker_pids
     env.reset(seed=0)
     if how == "SIGKILL from outside":
         os.kill(pids[1], signal.SIGKILL)
@@ -130,7 +126,7 @@ def test_wrong_actions_are_refused_before_anything_is_sent():
 
 def test_close_is_idempotent_and_leaves_no_process():
     env = ClusterVectorEnv([make_cartpole] * NUM_ENVS, num_workers=NUM_WORKERS)
-    pids = worker_pids(env)
+    pids = env.pool.worker_pids
     assert len(pids) == NUM_WORKERS and all(psutil.pid_exists(pid) for pid in pids)
     env.reset(seed=0)
     env.step(np.zeros(NUM_ENVS, dtype=np.int64))

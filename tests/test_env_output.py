@@ -41,7 +41,7 @@ def test_bad_output_is_an_env_error_and_the_worker_lives_on(mode):
     else:
         pool = _pool(mode)
     with pool:
-        pids = [process.pid for process in pool._transport.processes]
+        pids = pool.worker_pids
         pool.reset(seeds=[0, 1, 2])
         actions = np.zeros(3, np.int64)
         pool.step(actions)
@@ -52,7 +52,7 @@ def test_bad_output_is_an_env_error_and_the_worker_lives_on(mode):
         assert (error.env_index, error.worker_index, error.operation) == (1, 0, "step")
         assert "env 1 on worker 0" in str(error) and "Remote traceback" in str(error)
         # The worker is the same process, and every env can be reset and stepped again.
-        assert [process.pid for process in pool._transport.processes] == pids
+        assert pool.worker_pids == pids
         assert all(process.poll() is None for process in pool._transport.processes)
         pool.reset(seeds=[0, 1, 2])
         assert pool.step(actions).rewards.tolist() == [1.0, 1.0, 1.0]

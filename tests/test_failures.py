@@ -176,7 +176,7 @@ def test_stuck_env_times_out_and_close_kills_it(no_leaks):
 
 def test_close_is_idempotent_and_calls_after_close_fail(no_leaks):
     pool = EnvPool([CARTPOLE] * 2, num_workers=2)
-    pids = [process.pid for process in pool._transport.processes]
+    pids = pool.worker_pids
     pool.close()
     pool.close()
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
@@ -208,7 +208,7 @@ def test_interpreter_exit_closes_the_pool(no_leaks, tmp_path):
             from clusterenv_core import EnvPool
             pool = EnvPool([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=2)
             pool.reset()
-            print(*[p.pid for p in pool._transport.processes])
+            print(*pool.worker_pids)
             """
         )
     )
@@ -230,7 +230,7 @@ def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
             from clusterenv_core import EnvPool
             pool = EnvPool([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=2)
             pool.reset()
-            print(*[p.pid for p in pool._transport.processes], flush=True)
+            print(*pool.worker_pids, flush=True)
             time.sleep(60)
             """
         )

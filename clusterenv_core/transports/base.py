@@ -42,6 +42,10 @@ class Transport(ABC):
         return None
 
     @abstractmethod
+    def worker_pids(self) -> list[int]:
+        """The process id of each worker (on its own host), for monitoring."""
+
+    @abstractmethod
     def start(self, num_workers: int, timeout: float) -> None:
         """Launch (or attach to) ``num_workers`` workers that wait for their first message."""
 

@@ -295,6 +295,9 @@ class LocalTransport(Transport):
     def num_workers(self) -> int:
         return len(self.sockets)
 
+    def worker_pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
     def start(self, num_workers: int, timeout: float) -> None:
         self.memory_fd = _anonymous_file()
         env = dict(os.environ, **self.extra_env)

@@ -119,6 +119,9 @@ class MPITransport(Transport):
     def num_workers(self) -> int:
         return len(self.ranks)
 
+    def worker_pids(self) -> list[int]:
+        return list(self.pids)  # reported by the ranks at the handshake
+
     def default_num_workers(self) -> int | None:
         """The number of worker ranks a world launch provides (``None`` in spawn mode)."""
         MPI = mpi()
