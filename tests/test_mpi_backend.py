@@ -285,3 +285,27 @@ def test_worker_program_outside_an_mpi_job_says_how_to_launch_it():
 def test_importing_clusterenv_does_not_import_mpi4py():
     code = "import sys, clusterenv_core, clusterenv_sb3; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"heartbeat_timeout": 1.5, "heartbeat_interval": 1.0}, "at least twice heartbeat_interval"),
+        ({"heartbeat_timeout": -1.0}, "heartbeat_timeout must be a non-negative"),
+        ({"heartbeat_interval": 0.0}, "heartbeat_interval must be a positive"),
+    ],
+)
+def test_bad_heartbeat_options_are_value_errors(options, message):
+    from clusterenv_core.transports.mpi import MPITransport
+
+    with pytest.raises(ValueError, match=message):
+        MPITransport(**options)
+
+
+def test_heartbeats_can_be_turned_off_and_bound_a_silent_peer_by_default():
+    """The multi-host behaviour is tested in tests/cluster/netns.sh (partition, kill, host down)."""
+    from clusterenv_core.transports.mpi import MPITransport
+
+    assert MPITransport(heartbeat_timeout=0).heartbeat_timeout == 0
+    default = MPITransport()
+    assert 2 * default.heartbeat_interval <= default.heartbeat_timeout <= 30.0

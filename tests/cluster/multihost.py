@@ -7,11 +7,16 @@
 Scenarios (one per job: a world launch serves one pool):
 
 - ``contract``: ClusterVecEnv(backend="mpi") against DummyVecEnv over 2000 steps, exactly equal;
-- ``partition``: steps on while the shell cuts w2's link for 1 s (must be survived), then steps until
-  the lasting cut raises WorkerTimeoutError/WorkerLostError, and closes the pool;
-- ``kill``: steps until the shell has SIGKILLed a worker rank: the launcher ends the job, or (under
-  ``mpiexec -disable-auto-cleanup``) the step raises WorkerTimeoutError and the pool closes; spawned
-  ranks: WorkerLostError once MPICH's process manager has ended the spawn.
+- ``partition``: a step that one env on w2 spends asleep for longer than the heartbeat timeout
+  succeeds (a slow step is not a lost host); steps on while the shell cuts w2's link for 1 s (must
+  be survived), then steps until the lasting cut raises WorkerLostError (no heartbeat) within the
+  heartbeat timeout, far sooner than the pool's timeout, and closes the pool;
+- ``kill``: steps until the shell has SIGKILLed a worker rank (or the learner's whole host): the
+  launcher ends the job, or (under ``mpiexec -disable-auto-cleanup``) the step raises WorkerLostError
+  within the heartbeat timeout and the pool closes; spawned ranks: WorkerLostError once MPICH's
+  process manager has ended the spawn.
+
+Every pool beats every HEARTBEAT_INTERVAL and declares silence after HEARTBEAT_TIMEOUT seconds.
 
 The shell and the learner meet through files in ``$CLUSTER_SIGNALS``: the learner creates
 ``ready-<phase>`` when it is stepping, the shell creates ``blip-over`` after the 1 s cut. Prints
@@ -36,6 +41,9 @@ from clusterenv_core import ClusterEnvError, EnvPool, WorkerLostError, WorkerTim
 
 STEPS = 2000
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_TIMEOUT = 5.0
+SLOW_STEP = HEARTBEAT_TIMEOUT + 3.0
 SPAWN = False  # --spawn: this learner is a plain process that spawns its worker ranks on w1 and w2
 
 
@@ -60,10 +68,24 @@ def contract(timeout: float) -> None:
     )
 
 
-def step_until_lost(pool: EnvPool, timeout: float, scenario: str) -> None:
-    """Step until a step raises WorkerTimeoutError/WorkerLostError, within ``timeout`` (+2 s) of its
-    start; prints ``OK <scenario> <error> after <s> s``. Bounded: 30 s more than the timeout in all."""
-    deadline = time.monotonic() + timeout + 30.0
+class SlowActionCartPole(gym.Wrapper):
+    """CartPole with a third action: sleep ``SLOW_STEP`` seconds, then push left (a slow step)."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.action_space = gym.spaces.Discrete(3)
+
+    def step(self, action):
+        if action == 2:
+            time.sleep(SLOW_STEP)
+            action = 0
+        return self.env.step(action)
+
+
+def step_until_lost(pool: EnvPool, bound: float, scenario: str) -> None:
+    """Step until a step raises WorkerTimeoutError/WorkerLostError, within ``bound`` (+2 s) of its
+    start; prints ``OK <scenario> <error> after <s> s``. Bounded: 30 s more than that in all."""
+    deadline = time.monotonic() + bound + 30.0
     while time.monotonic() < deadline:
         started = time.monotonic()
         try:
@@ -71,20 +93,25 @@ def step_until_lost(pool: EnvPool, timeout: float, scenario: str) -> None:
         except (WorkerTimeoutError, WorkerLostError) as error:
             waited = time.monotonic() - started
             print(
-                f"OK {scenario} {type(error).__name__} after {waited:.2f} s (timeout {timeout:g} s): {error}", flush=True
+                f"OK {scenario} {type(error).__name__} after {waited:.2f} s (bound {bound:g} s, the pool's "
+                f"timeout {pool.timeout:g} s): {error}",
+                flush=True,
             )
-            assert waited <= timeout + 2.0, waited
+            assert waited <= bound + 2.0, waited
             return
         time.sleep(0.002)
     raise AssertionError("no error within the bound")
 
 
 def backend_options() -> dict:
-    return {"launch": "spawn", "spawn_info": {"hosts": "w1,w2"}} if SPAWN else {}
+    options = {"heartbeat_interval": HEARTBEAT_INTERVAL, "heartbeat_timeout": HEARTBEAT_TIMEOUT}
+    if SPAWN:
+        options.update(launch="spawn", spawn_info={"hosts": "w1,w2"})
+    return options
 
 
-def make_pool(timeout: float) -> EnvPool:
-    pool = EnvPool([CARTPOLE] * 4, backend="mpi", num_workers=2, timeout=timeout, backend_options=backend_options())
+def make_pool(timeout: float, env_fn=CARTPOLE) -> EnvPool:
+    pool = EnvPool([env_fn] * 4, backend="mpi", num_workers=2, timeout=timeout, backend_options=backend_options())
     print("HOSTS", *pool._transport.hosts, flush=True)
     pool.reset(seeds=[0, 1, 2, 3])
     return pool
@@ -110,9 +137,14 @@ def step_until(pool: EnvPool, done, seconds: float) -> tuple[int, float]:
 
 
 def partition(timeout: float) -> None:
-    pool = make_pool(timeout)
+    pool = make_pool(timeout, SlowActionCartPole)
     for _ in range(50):
         step(pool)
+    started = time.monotonic()
+    pool.step(np.array([0, 0, 2, 0]))  # env 2, on w2, sleeps: its worker beats on
+    took = time.monotonic() - started
+    assert SLOW_STEP <= took < timeout, took
+    print(f"OK slow step: {took:.1f} s, longer than the heartbeat timeout ({HEARTBEAT_TIMEOUT:g} s)", flush=True)
     open(signal_file("ready-blip"), "w").close()
     count, longest = step_until(pool, lambda: os.path.exists(signal_file("blip-over")), 30.0)
     # Steps go on for a little while after the link is back (TCP retransmits), still fine.
@@ -121,7 +153,7 @@ def partition(timeout: float) -> None:
     print(f"OK blip survived: the longest of {count} steps around the 1 s cut took {longest:.2f} s", flush=True)
 
     open(signal_file("ready-cut"), "w").close()
-    step_until_lost(pool, timeout, "partition")
+    step_until_lost(pool, HEARTBEAT_TIMEOUT, "partition")
     try:
         step(pool)
     except ClusterEnvError as error:
@@ -139,7 +171,7 @@ def kill(timeout: float) -> None:
     for _ in range(50):
         step(pool)
     open(signal_file("ready-kill"), "w").close()
-    step_until_lost(pool, timeout, "kill")
+    step_until_lost(pool, min(timeout, HEARTBEAT_TIMEOUT), "kill")
     started = time.monotonic()
     pool.close()
     print(f"OK closed in {time.monotonic() - started:.2f} s", flush=True)

@@ -11,14 +11,18 @@
 #   contract   ClusterVecEnv(backend="mpi") == DummyVecEnv over 2000 steps, learner on "learner",
 #              one worker rank on each of "w1" and "w2": MPMD launch (mpiexec), then spawn launch
 #              (plain python spawning its ranks on w1 and w2)
-#   partition  a 1 s cut of w2's link is survived; a lasting cut is WorkerTimeoutError within the
-#              pool's timeout and close() returns; then what the launcher does (logged, bounded),
-#              and w2's orphans exit once the link is back (both launches)
+#   partition  a step longer than the heartbeat timeout (5 s here) is not a lost host; a 1 s cut of
+#              w2's link is survived; a lasting cut is WorkerLostError (no heartbeat) within the
+#              heartbeat timeout, not the pool's 60 s, and close() returns; w2's worker rank exits by
+#              itself within the heartbeat timeout while its link is still cut, and nothing of the
+#              job is left on w2 (both launches)
 #   kill       the worker rank on w1 is SIGKILLed mid-run: mpiexec ends the whole job at once;
-#              under mpiexec -disable-auto-cleanup the learner gets WorkerTimeoutError within the
-#              pool's timeout, closes, and aborts the job at exit; spawned ranks: WorkerLostError
-#              within 0.25 s and the learner lives on. A SIGKILLed learner: every rank on every
-#              host ends (both launches)
+#              under mpiexec -disable-auto-cleanup the learner gets WorkerLostError (no heartbeat)
+#              within the heartbeat timeout, not the pool's 30 s, closes, and aborts the job at
+#              exit; spawned ranks: WorkerLostError within 0.25 s and the learner lives on. A
+#              SIGKILLed learner: every rank on every host ends (both launches). The learner's
+#              host down (its link cut, then everything on it SIGKILLed): the worker ranks on w1
+#              and w2 exit within the heartbeat timeout and nothing is left on them (both launches)
 #   bench      benchmarks/cluster_latency.py with delays of 0, 1 and 5 ms each way on the worker
 #              hosts' links (CLUSTER_DELAYS_MS="0 1 5"; tc netem, or tests/cluster/delayline.py on
 #              kernels without netem), results merged into
@@ -257,12 +261,14 @@ no_processes_left() {
     done
 }
 
-# partition <world|spawn>: cut w2's link for 1 s (must be survived), then for good: the learner's step
-# raises WorkerTimeoutError within the pool's timeout and close() returns. Then what happens to the
-# job (logged), and, once the link is back, whether w2's orphans notice and exit.
+HEARTBEAT_TIMEOUT=5  # multihost.py's pools
+
+# partition <world|spawn>: a slow step on w2, a 1 s cut of w2's link (both survived), then a lasting
+# cut: the learner's step raises WorkerLostError within the heartbeat timeout and close() returns;
+# w2's worker rank exits by itself while w2 is still cut off, and nothing of the job stays there.
 partition() {
-    local launch=$1 timeout_s=5
-    log "partition ($launch): cut w2's link for 1 s (survived), then for good (WorkerTimeoutError within ${timeout_s} s)"
+    local launch=$1 timeout_s=60
+    log "partition ($launch): a slow step, a 1 s cut of w2's link (survived), then a lasting cut (WorkerLostError within ${HEARTBEAT_TIMEOUT} s)"
     local out="$WORK/partition-$launch.out" signals="$WORK/signals-partition-$launch" started=$SECONDS
     mkdir -p "$signals"
     CLUSTER_SIGNALS="$signals" start_job "$launch" 120 "$out" "$CLUSTER_DIR/multihost.py" partition --timeout "$timeout_s"
@@ -280,8 +286,9 @@ partition() {
     log "partition ($launch): the learner's job ended $(since "$cut") s after the cut, status $JOB_STATUS"
     show "$out"
     [ "$JOB_STATUS" != 124 ] && [ "$JOB_STATUS" != 137 ] || fail "partition ($launch): the learner did not end by itself"
+    grep -q "OK slow step" "$out" || fail "partition ($launch): the slow step was not survived"
     grep -q "OK blip" "$out" || fail "partition ($launch): the 1 s cut was not survived"
-    grep -Eq "OK partition (WorkerTimeoutError|WorkerLostError)" "$out" || fail "partition ($launch): no WorkerTimeoutError"
+    grep -Eq "OK partition WorkerLostError .*sent no heartbeat" "$out" || fail "partition ($launch): no WorkerLostError for the silent host"
     if ! grep -q "OK closed" "$out"; then
         # World ranks are one MPI job, and MPI is fail-stop: when hydra or MPICH notice the lost
         # rank (about when the pool's timeout fires) they may end the job before close() returns.
@@ -294,17 +301,11 @@ partition() {
         wait_for 10 "processes on $host to end" no_processes "$host" \
             || log "partition ($launch): still running on $host after the learner ended: $(processes "$host")"
     done
-    # The launcher cannot reach w2: its processes outlive the job. Heal the partition and see
-    # whether they notice (their closed connections) and exit by themselves; cleanup kills them if not.
-    log "partition ($launch): left running on w2: $(processes w2)"
+    # The launcher cannot reach w2; its worker rank hears no heartbeat and exits by itself.
+    wait_for $((HEARTBEAT_TIMEOUT + 10)) "w2's processes to end while it is cut off" no_processes w2 \
+        || fail "partition ($launch): still running on w2 $(since "$cut") s after the cut: $(processes w2)"
+    log "partition ($launch): nothing left on w2 $(since "$cut") s after the cut (link still down)"
     ip -n "$PREFIX-w2" link set ce0 up
-    local healed
-    healed=$(now)
-    if wait_for 60 "w2's orphans to exit after the link is back" no_processes w2; then
-        log "partition ($launch): link back up: w2's orphans exited by themselves after $(since "$healed") s"
-    else
-        log "partition ($launch): link back up: w2's orphans still running after 60 s: $(processes w2) (cleanup kills them)"
-    fi
     for host in learner w1 w2; do
         if ! no_processes "$host"; then
             log "partition ($launch): killing what is left on $host: $(processes "$host")"
@@ -321,11 +322,11 @@ run_partition() {
 
 # kill_rank <variant>: SIGKILL the worker rank on w1 mid-run.
 #   auto:    mpiexec (hydra's default): the launcher ends the whole job at once, learner included
-#   noclean: mpiexec -disable-auto-cleanup: the job goes on; the learner's step times out
-#            (WorkerTimeoutError within the pool's timeout), close() returns, MPI_Abort at exit
+#   noclean: mpiexec -disable-auto-cleanup: the job goes on; the learner's step raises
+#            WorkerLostError (no heartbeat) within the heartbeat timeout, close() returns, MPI_Abort at exit
 #   spawn:   spawned ranks: MPICH's process manager ends the spawn; WorkerLostError at once
 kill_rank() {
-    local variant=$1 timeout_s=5 launch=world
+    local variant=$1 timeout_s=30 launch=world
     [ "$variant" = spawn ] && launch=spawn
     log "kill ($variant): SIGKILL the worker rank on w1 mid-run"
     local out="$WORK/kill-$variant.out" signals="$WORK/signals-kill-$variant" started=$SECONDS
@@ -352,7 +353,7 @@ kill_rank() {
         ;;
     noclean)
         [ "$JOB_STATUS" != 0 ] || fail "kill (noclean): the job exited 0 after losing a rank"
-        grep -Eq "OK kill WorkerTimeoutError" "$out" || fail "kill (noclean): no WorkerTimeoutError"
+        grep -Eq "OK kill WorkerLostError .*sent no heartbeat" "$out" || fail "kill (noclean): no WorkerLostError for the silent rank"
         grep -q "OK closed" "$out" && grep -q "MPI_Abort" "$out" || fail "kill (noclean): no close and MPI_Abort"
         ;;
     spawn)
@@ -372,6 +373,8 @@ run_kill() {
     kill_rank spawn
     kill_learner world
     kill_learner spawn
+    host_down world
+    host_down spawn
 }
 
 # kill_learner <world|spawn>: SIGKILL the learner mid-run: every rank on every host must end (the
@@ -395,6 +398,31 @@ kill_learner() {
     [ "$JOB_STATUS" != 0 ] || fail "kill learner ($launch): status 0"
     no_processes_left "kill learner ($launch)"
     log "kill learner ($launch): every rank on every host ended, $(since "$killed") s after the kill"
+}
+
+# host_down <world|spawn>: the learner's host goes away: its link is cut, then every process on it
+# is SIGKILLed (nothing closes a connection). The worker ranks on w1 and w2 hear no heartbeat and
+# exit by themselves; nothing of the job may be left on either host.
+host_down() {
+    local launch=$1
+    log "host down ($launch): cut the learner's link, SIGKILL everything on it"
+    local out="$WORK/host-down-$launch.out" signals="$WORK/signals-host-down-$launch" started=$SECONDS
+    mkdir -p "$signals"
+    CLUSTER_SIGNALS="$signals" start_job "$launch" 120 "$out" "$CLUSTER_DIR/multihost.py" kill --timeout 30
+    wait_for 90 "the learner stepping" test -e "$signals/ready-kill" || { show "$out"; fail "host down: no ready-kill"; }
+    ip -n "$PREFIX-learner" link set ce0 down
+    ip netns pids "$PREFIX-learner" | xargs -r kill -KILL
+    local down
+    down=$(now)
+    wait_job
+    local host
+    for host in w1 w2; do
+        wait_for $((HEARTBEAT_TIMEOUT + 10)) "$host's processes to end" no_processes "$host" \
+            || { show "$out"; fail "host down ($launch): still running on $host $(since "$down") s later: $(processes "$host")"; }
+    done
+    log "host down ($launch): nothing left on w1 and w2 $(since "$down") s after the learner's host went down"
+    ip -n "$PREFIX-learner" link set ce0 up
+    log "host down ($launch): OK in $((SECONDS - started)) s"
 }
 
 # delay <ms>: every packet between the learner and a worker host is delayed <ms> one way: netem on

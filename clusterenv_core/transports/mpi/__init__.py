@@ -16,7 +16,8 @@ The launch mode is chosen when the pool starts (``launch="auto"``, the default):
 
 Modules, one concept each: :mod:`~.runtime` (initializing and leaving MPI), :mod:`~.launcher` (the
 spawning learner's process manager), :mod:`~.wire` (tags and the step's message layout),
-:mod:`~.waiting` (polling and the same-host doorbell), :mod:`~.learner` (:class:`MPITransport`) and
+:mod:`~.waiting` (polling and the same-host doorbell), :mod:`~.heartbeat` (liveness across hosts),
+:mod:`~.learner` (:class:`MPITransport`) and
 :mod:`~.worker` (:class:`MPIWorkerConnection`). What happens on each fault, and how a job ends, is
 in ``docs/mpi.md``.
 """

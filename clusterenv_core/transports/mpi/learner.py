@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -20,6 +21,14 @@ from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps
 from clusterenv_core.transports.base import Transport
+from clusterenv_core.transports.mpi.heartbeat import (
+    DEFAULT_INTERVAL,
+    DEFAULT_TIMEOUT,
+    GOODBYE_TIMEOUT,
+    BeatListener,
+    holding_mpi_lock,
+    threads_allowed,
+)
 from clusterenv_core.transports.mpi.launcher import process_manager
 from clusterenv_core.transports.mpi.runtime import HOST, State, mpi, pid_alive, pm_exited
 from clusterenv_core.transports.mpi.waiting import MIN_NAP, Doorbell, PeerGone, Probe, poll
@@ -60,6 +69,10 @@ class MPITransport(Transport):
     :param worker_max_sleep: longest nap of an idle worker
     :param liveness_interval: seconds between checks that a silent peer still exists
     :param doorbell: wake peers on the learner's host through a Unix socket instead of polling
+    :param heartbeat_interval: seconds between the heartbeats of worker ranks on other hosts
+    :param heartbeat_timeout: a worker rank on another host silent this long is lost (``WorkerLostError``
+        while the learner waits for it, sooner than the pool's ``timeout``), and a worker rank whose
+        beats the learner has not received this long exits; 0 turns heartbeats off
     """
 
     shares_memory = False
@@ -77,6 +90,8 @@ class MPITransport(Transport):
         worker_max_sleep: float = 1e-3,
         liveness_interval: float = 0.25,
         doorbell: bool = True,
+        heartbeat_interval: float = DEFAULT_INTERVAL,
+        heartbeat_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         if launch not in ("auto", "spawn", "world"):
             raise ValueError(f"launch must be 'auto', 'spawn' or 'world', got {launch!r}")
@@ -86,8 +101,15 @@ class MPITransport(Transport):
             ("worker_spin", worker_spin),
             ("worker_max_sleep", worker_max_sleep),
             ("liveness_interval", liveness_interval),
+            ("heartbeat_timeout", heartbeat_timeout),
         ):
             check_seconds(name, value, allow_zero=True)
+        check_seconds("heartbeat_interval", heartbeat_interval)
+        if heartbeat_timeout and heartbeat_timeout < 2 * heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({heartbeat_timeout:g} s) must be at least twice heartbeat_interval "
+                f"({heartbeat_interval:g} s), or 0 for no heartbeats"
+            )
         self.launch = launch
         self.python = python or sys.executable
         self.spawn_info = dict(spawn_info or {})
@@ -97,6 +119,9 @@ class MPITransport(Transport):
         self.worker_spin, self.worker_max_sleep = float(worker_spin), max(float(worker_max_sleep), MIN_NAP)
         self.liveness_interval = max(float(liveness_interval), 0.01)
         self.doorbell = bool(doorbell)
+        self.heartbeat_interval, self.heartbeat_timeout = float(heartbeat_interval), float(heartbeat_timeout)
+        self.heartbeat: BeatListener | None = None
+        self.mpi_lock = threading.RLock()  # held in every method that calls MPI (heartbeat.py)
         self._bells: list[Doorbell | None] = []
         self.failed: set[int] = set()
         self.mode: str | None = None
@@ -132,6 +157,7 @@ class MPITransport(Transport):
 
     # -- start ------------------------------------------------------------------------------------
 
+    @holding_mpi_lock
     def start(self, num_workers: int, timeout: float) -> None:
         timeout = max(timeout, _START_TIMEOUT)
         MPI = mpi()
@@ -197,6 +223,7 @@ class MPITransport(Transport):
         self.ranks = ranks
         count = len(ranks)
         self.pids, self.hosts = [0] * count, [""] * count
+        threads = [False] * count
         self._sends = [[] for _ in range(count)]
         self._result_requests = [None] * count
         self._action_requests = [None] * count
@@ -210,6 +237,7 @@ class MPITransport(Transport):
                 )
             hello = self._receive_pickled(probe)
             self.pids[worker], self.hosts[worker] = hello["pid"], hello["host"]
+            threads[worker] = hello["threads"]
         self._bells = [None] * count
         listener = name = None
         if self.doorbell and HOST in self.hosts and sys.platform.startswith("linux"):
@@ -225,13 +253,21 @@ class MPITransport(Transport):
             "max_sleep": self.worker_max_sleep,
             "liveness_interval": self.liveness_interval,
         }
+        # Heartbeats from the workers on other hosts, where both sides may call MPI from a thread.
+        beating = {}
+        if self.heartbeat_timeout > 0 and threads_allowed(MPI):
+            beating = {w: rank for w, rank in enumerate(ranks) if threads[w] and self.hosts[w] != HOST}
         try:
             for worker, rank in enumerate(ranks):
                 bell = name if self.hosts[worker] == HOST else None
-                data = dumps(dict(config, worker=worker, doorbell=bell))
+                heartbeat = (self.heartbeat_interval, self.heartbeat_timeout) if worker in beating else None
+                data = dumps(dict(config, worker=worker, doorbell=bell, heartbeat=heartbeat))
                 self._sends[worker].append((self.comm.Isend(data, dest=rank, tag=TAG_CONFIG), data))
             if listener is not None:
                 self._accept_doorbells(listener, timeout)
+            if beating:
+                self.heartbeat = BeatListener(self.comm, beating, self.heartbeat_interval, self.mpi_lock)
+                self.heartbeat.start()
         finally:
             if listener is not None:
                 listener.close()
@@ -266,6 +302,7 @@ class MPITransport(Transport):
 
     # -- control messages -------------------------------------------------------------------------
 
+    @holding_mpi_lock
     def send(self, worker: int, message: Any) -> None:
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
@@ -278,6 +315,7 @@ class MPITransport(Transport):
         if bell is not None:
             bell.ring()
 
+    @holding_mpi_lock
     def recv(self, worker: int, timeout: float) -> Any:
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
@@ -289,6 +327,7 @@ class MPITransport(Transport):
         self._received(worker)
         return reply
 
+    @holding_mpi_lock
     def recv_rows(self, worker: int, timeout: float) -> None:
         rank = self.ranks[worker]
         self._wait(worker, self.comm.Irecv(self._result_messages[worker], source=rank, tag=TAG_RESULT).Test, timeout)
@@ -332,6 +371,17 @@ class MPITransport(Transport):
     def _check_alive(self, worker: int) -> None:
         if self.hosts[worker] == HOST and not pid_alive(self.pids[worker]):
             raise self._dead(worker)
+        heartbeat = self.heartbeat
+        if heartbeat is not None:
+            heartbeat.beat()
+        if heartbeat is not None and worker in heartbeat.ranks:
+            silent = heartbeat.silent_for(worker)
+            if silent > self.heartbeat_timeout:
+                self.failed.add(worker)
+                raise WorkerLostError(
+                    f"worker {worker} ({self._describe(worker)}) sent no heartbeat for {silent:.1f} s "
+                    f"(heartbeat_timeout {self.heartbeat_timeout:g} s): its host is down or unreachable"
+                )
         self._check_manager()
 
     def _dead(self, worker: int) -> WorkerLostError:
@@ -350,6 +400,7 @@ class MPITransport(Transport):
 
     # -- buffers and steps ------------------------------------------------------------------------
 
+    @holding_mpi_lock
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
         MPI = State.MPI
         count = len(blocks)
@@ -375,6 +426,7 @@ class MPITransport(Transport):
             self._action_messages.append([memory, 1, actions])
         return buffers
 
+    @holding_mpi_lock
     def send_step(self, worker: int) -> None:
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
@@ -387,6 +439,7 @@ class MPITransport(Transport):
         if bell is not None:
             bell.ring()
 
+    @holding_mpi_lock
     def recv_step(self, worker: int, timeout: float) -> Any:
         request = self._result_requests[worker]
         if request is None:
@@ -410,6 +463,7 @@ class MPITransport(Transport):
         self._regions.append(region)
         return len(self._regions) - 1, memoryview(region)
 
+    @holding_mpi_lock
     def send_arrays(self, worker: int, arrays: list) -> None:
         rank = self.ranks[worker]
         for array in arrays:
@@ -420,6 +474,7 @@ class MPITransport(Transport):
                 bell.ring()
             self._wait(worker, request.Test, _ARRAYS_TIMEOUT, bell=False)
 
+    @holding_mpi_lock
     def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
         for array in arrays:
             target = array if array.flags.c_contiguous else np.empty_like(array)
@@ -430,6 +485,7 @@ class MPITransport(Transport):
 
     # -- end --------------------------------------------------------------------------------------
 
+    @holding_mpi_lock
     def close(self, timeout: float, closed: set[int]) -> None:
         if self._closed:
             return
@@ -445,6 +501,9 @@ class MPITransport(Transport):
                     poll(request.Test, 1.0, 0.0, 1e-3)
                 except Exception:
                     pass
+        if self.heartbeat is not None:
+            self.heartbeat.await_goodbyes(closed, min(max(deadline - time.monotonic(), 0.0), GOODBYE_TIMEOUT))
+            self.heartbeat = None
         unclosed = [worker for worker in range(self.num_workers) if worker not in closed]
         if self.mode == "spawn":
             if unclosed:

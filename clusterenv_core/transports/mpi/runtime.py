@@ -49,7 +49,7 @@ def mpi(worker: bool = False) -> Any:
     watchdog = False
     if "mpi4py.MPI" not in sys.modules:
         if worker:
-            # Worker ranks are ours and single-threaded.
+            # Worker ranks call MPI from one thread at a time (their heartbeat takes turns: heartbeat.py).
             mpi4py.rc.thread_level = "serialized"
         elif not launched_by_mpi():
             # A singleton that may spawn: finalize ourselves, so a lost worker can skip it.

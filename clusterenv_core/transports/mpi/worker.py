@@ -4,7 +4,8 @@ A rank becomes a worker in one of three ways: spawned by the learner (``python -
 clusterenv_core.worker mpi spawn``), as the worker program of an MPMD launch (``python -m
 clusterenv_core.worker``), or, in an SPMD launch, when a rank above 0 constructs a pool
 (:func:`serve_as_worker`). It waits for requests in a :class:`~.waiting.Doorbell` when the learner
-shares its host, else it polls; a learner that vanishes ends it.
+shares its host, else it polls and exchanges heartbeats with the learner; a learner that vanishes
+(its pid or doorbell on the same host, its heartbeats from another) ends it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -23,6 +25,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views,
 from clusterenv_core.protocol import OK, STEP, dumps
 from clusterenv_core.transports.base import WorkerConnection
 from clusterenv_core.transports.mpi.runtime import HOST, State, connect_timeout, flush, mpi, pid_alive
+from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
 from clusterenv_core.transports.mpi.waiting import Doorbell, PeerGone, Probe, poll
 from clusterenv_core.transports.mpi.wire import (
     ALIGN,
@@ -52,8 +55,9 @@ class MPIWorkerConnection(WorkerConnection):
     def __init__(self, comm: Any, kind: str) -> None:
         MPI = State.MPI
         self.comm, self.kind = comm, kind
+        self.mpi_lock = threading.RLock()  # held in every method that calls MPI (heartbeat.py)
         self.learner = 0
-        data = dumps({"pid": os.getpid(), "host": HOST})
+        data = dumps({"pid": os.getpid(), "host": HOST, "threads": threads_allowed(MPI)})
         request = comm.Isend(data, dest=self.learner, tag=TAG_HELLO)
         probe = Probe(MPI, comm, self.learner, TAG_CONFIG)
         poll(probe, float("inf"), 0.0, 5e-3)
@@ -81,11 +85,34 @@ class MPIWorkerConnection(WorkerConnection):
         self.full_message = None
         self.datatypes: list = []
         self.regions: list[bytearray] = []
+        self.heartbeat: BeatSender | None = None
+        if config["heartbeat"] is not None:
+            interval, self.heartbeat_timeout = config["heartbeat"]
+            self.heartbeat = BeatSender(comm, self.learner, interval, self.mpi_lock, self._check_heartbeat)
+            self.heartbeat.start()
+
+    def _check_heartbeat(self) -> None:
+        """A learner that received no beat for the heartbeat timeout is gone, or cut off: exit."""
+        silent = self.heartbeat.silent_for()
+        if silent <= self.heartbeat_timeout:
+            return
+        print(
+            f"clusterenv worker {self.index} (pid {os.getpid()} on {HOST}): the learner (pid {self.learner_pid} "
+            f"on {self.learner_host}) received no heartbeat for {silent:.1f} s (heartbeat_timeout "
+            f"{self.heartbeat_timeout:g} s): it is gone or unreachable; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        flush()
+        os._exit(1)  # MPI_Finalize would wait for the unreachable learner
 
     def _check_learner(self) -> None:
         if self.learner_host == HOST and not pid_alive(self.learner_pid):
             self.learner_gone = True
             raise EOFError
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
+            self._check_heartbeat()
 
     def _complete(self, request: Any) -> None:
         """Wait for one of our sends; a learner that disappears meanwhile ends the worker."""
@@ -114,6 +141,7 @@ class MPIWorkerConnection(WorkerConnection):
         if self.bell is not None:
             self.bell.received()
 
+    @holding_mpi_lock
     def recv(self) -> Any:
         probe = self.probe
         while True:
@@ -137,17 +165,20 @@ class MPIWorkerConnection(WorkerConnection):
                 return pickle.loads(buffer)
             # Anything else (arrays of an interrupted exchange) is dropped.
 
+    @holding_mpi_lock
     def send(self, message: Any) -> None:
         request = self.comm.Isend(dumps(message), dest=self.learner, tag=TAG_REPLY)
         self._ring()
         self._complete(request)
 
+    @holding_mpi_lock
     def send_rows(self) -> None:
         self.header[0] = 0  # no pickled reply follows these rows
         request = self.comm.Isend(self.full_message, dest=self.learner, tag=TAG_RESULT)
         self._ring()
         self._complete(request)
 
+    @holding_mpi_lock
     def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
         MPI = State.MPI
         local = BatchSpec(len(block), spec.observation_space, spec.action_space)
@@ -175,6 +206,7 @@ class MPIWorkerConnection(WorkerConnection):
         self.no_flags = bytes(len(block))
         return buffers, 0
 
+    @holding_mpi_lock
     def send_step(self, reply: Any) -> None:
         comm, learner = self.comm, self.learner
         data = None
@@ -202,12 +234,14 @@ class MPIWorkerConnection(WorkerConnection):
         self.regions.append(region)
         return field_views(fields, len(block), region), 0
 
+    @holding_mpi_lock
     def send_arrays(self, arrays: list) -> None:
         for array in arrays:
             request = self.comm.Isend(np.ascontiguousarray(array), dest=self.learner, tag=TAG_ARRAYS)
             self._ring()
             self._complete(request)
 
+    @holding_mpi_lock
     def recv_arrays(self, arrays: list) -> None:
         for array in arrays:
             target = array if array.flags.c_contiguous else np.empty_like(array)
@@ -216,9 +250,13 @@ class MPIWorkerConnection(WorkerConnection):
             if target is not array:
                 array[...] = target
 
+    @holding_mpi_lock
     def close(self) -> None:
         """Leave MPI and end the process with code 0 (never returns)."""
         MPI = State.MPI
+        if self.heartbeat is not None and not self.heartbeat.goodbye(GOODBYE_TIMEOUT):
+            self.learner_gone = True  # unreachable: MPI_Finalize would wait for it forever
+        self.heartbeat = None
         for datatype in self.datatypes:
             try:
                 datatype.Free()
