@@ -3,10 +3,12 @@
 In a CleanRL script, replace ``gym.vector.SyncVectorEnv([...])`` with ``ClusterVectorEnv([...])``;
 the results are the same, the environments step in parallel on workers (local processes or MPI
 ranks). Both gymnasium 1.x and gymnasium 0.29 (which CleanRL pins) are supported, each with its own
-``SyncVectorEnv`` semantics. Failures on workers raise the errors exported here.
+``SyncVectorEnv`` semantics. ``ClusterEnvPool`` (``make_gymnasium``) is EnvPool's asynchronous
+``send``/``recv`` interface over the same workers. Failures on workers raise the errors exported here.
 """
 
 from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_cleanrl.envpool_api import ClusterEnvPool, make_gymnasium
 from clusterenv_cleanrl.vector_env import ClusterVectorEnv
 from clusterenv_cleanrl.rollouts import (
     DeployableAgent,
@@ -23,6 +25,7 @@ from clusterenv_cleanrl.rollouts import (
 
 __all__ = [
     "ClusterEnvError",
+    "ClusterEnvPool",
     "ClusterVectorEnv",
     "DeployableAgent",
     "DeployableQNetwork",
@@ -32,6 +35,7 @@ __all__ = [
     "WorkerRollouts",
     "add_to_replay_buffer",
     "episodic_returns",
+    "make_gymnasium",
     "ppo_batch",
     "replay_transitions",
     "EnvAttributeError",

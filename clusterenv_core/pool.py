@@ -39,6 +39,7 @@ from clusterenv_core.transports import Transport, make_transport
 
 if TYPE_CHECKING:
     from clusterenv_core.actors import WorkerActors
+    from clusterenv_core.batches import AsyncBatches
     from clusterenv_core.restarts import WorkerRestarts
 
 DEFAULT_TIMEOUT = 60.0
@@ -136,6 +137,8 @@ class EnvPool(DeprecatedPoolMethods):
         self.worker_of = np.repeat(np.arange(num_workers), [len(block) for block in self.blocks])
         #: the policy copies on the workers, once :meth:`deploy` made them
         self.actors: WorkerActors | None = None
+        #: asynchronous stepping, once :meth:`async_batches` started it
+        self.batches: AsyncBatches | None = None
         # Serialize before anything starts, so an unpicklable factory or env spec fails here, named.
         pickled_blocks = [_pickle_factories(env_fns, block) for block in self.blocks]
         shipped_registry = registry.snapshot()
@@ -357,6 +360,17 @@ class EnvPool(DeprecatedPoolMethods):
         self.actors = WorkerActors(self, policy, seed)
         return self.actors
 
+    # -- asynchronous batches ---------------------------------------------------------------------
+
+    def async_batches(self, batch_size: int) -> AsyncBatches:
+        """EnvPool-style asynchronous stepping: :class:`~clusterenv_core.batches.AsyncBatches` whose
+        ``recv`` returns the first ``batch_size`` envs with results and whose ``send`` steps exactly
+        the envs it names (also kept as :attr:`batches`). Needs ``autoreset_mode="next_step"``. The
+        pool's own calls work while no worker is stepping."""
+        from clusterenv_core.batches import AsyncBatches
+
+        return AsyncBatches(self, batch_size)
+
     # -- per-env access ---------------------------------------------------------------------------
 
     def call(
@@ -510,6 +524,8 @@ class EnvPool(DeprecatedPoolMethods):
     def _check_not_stepping(self) -> None:
         if self._stepping:
             raise ClusterEnvError("a step is pending: call step_wait first")
+        if self.batches is not None and self.batches.stepping:
+            raise ClusterEnvError("asynchronous steps are pending: recv their results first")
         if self.actors is not None and self.actors.pending:
             raise ClusterEnvError("a rollout is pending: call rollout_wait first")
 

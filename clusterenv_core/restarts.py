@@ -41,12 +41,14 @@ class WorkerRestarts:
     def may_replace(self, worker: int) -> bool:
         return self.counts[worker] < self.pool.max_restarts
 
-    def remember_obs(self) -> None:
-        """Keep the observations the coming step starts from."""
+    def remember_obs(self, block: range | None = None) -> None:
+        """Keep the observations the coming step starts from (of one worker's ``block`` of envs
+        when only that one steps: asynchronous batches)."""
         pool = self.pool
         if pool.buffers.obs_layout.buffered:
+            rows = slice(None) if block is None else slice(block.start, block.stop)
             for kept, current in zip(self.obs_before_step, pool.buffers.obs):
-                np.copyto(kept, current)
+                np.copyto(kept[rows], current[rows])
         else:
             self.obs_before_step = list(pool._obs)
 

@@ -19,6 +19,19 @@ class ResetResult:
 
 
 @dataclass
+class BatchResult:
+    """What :meth:`AsyncBatches.recv <clusterenv_core.batches.AsyncBatches.recv>` returns: the rows of
+    the envs ``env_ids`` (ascending), in buffers that the next ``recv`` reuses."""
+
+    env_ids: np.ndarray
+    obs: Any
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    infos: dict[int, dict]  # only non-empty infos, by env id
+
+
+@dataclass
 class StepResult:
     """What a step returns. Arrays are views of the pool's buffers, valid until the next call.
 

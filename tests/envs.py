@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import threading
 import time
 import warnings
@@ -122,6 +123,20 @@ class SlowCartPole(gym.Wrapper):
 
     def step(self, action):
         time.sleep(self.seconds)
+        return self.env.step(action)
+
+
+class JitteryEnv(gym.Wrapper):
+    """Sleeps up to ``max_seconds`` (uniform, from its own unseeded RNG) before each step: the order
+    in which envs finish varies from run to run, their trajectories do not."""
+
+    def __init__(self, env: gym.Env, max_seconds: float) -> None:
+        super().__init__(env)
+        self.max_seconds = max_seconds
+        self.jitter = random.Random()
+
+    def step(self, action):
+        time.sleep(self.jitter.uniform(0.0, self.max_seconds))
         return self.env.step(action)
 
 

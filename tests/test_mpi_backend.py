@@ -130,6 +130,14 @@ def test_fuzzer_agrees_on_mpi():
     assert code == 0 and "OK fuzz" in output, output
 
 
+def test_async_batches_on_mpi():
+    """Asynchronous batches (tests/test_async_batches.py) with spawned MPI workers."""
+    code, output, _ = launch("spawn", "async_batches.py")
+    assert code == 0, output
+    for check in ("trajectories", "partial blocks", "no starvation"):
+        assert f"OK async {check}" in output, output
+
+
 # -- faults ----------------------------------------------------------------------------------------
 
 

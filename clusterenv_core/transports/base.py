@@ -76,6 +76,13 @@ class Transport(ABC):
     def recv_step(self, worker: int, timeout: float) -> Any:
         """Wait for one worker's step reply; afterwards its result rows are in the buffers."""
 
+    @abstractmethod
+    def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
+        """Wait up to ``timeout`` until the step reply of at least one of ``workers`` (each stepping)
+        can be received; those whose replies can, in the order of ``workers`` (empty when none
+        could in time: the caller decides who timed out). A lost worker is returned at once: its
+        receive reports it."""
+
     def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
         """Extra memory for the workers (rollout segments, policy weights): ``(handle, memory)``.
 

@@ -128,6 +128,10 @@ class _MessageSocket:
         self._start += total
         return (message,)
 
+    def has_data(self) -> bool:
+        """Whether bytes of a message are buffered (the rest follows without waiting for the peer)."""
+        return self._end > self._start
+
     def _wait_readable(self, deadline: float, still_alive) -> None:
         while True:
             remaining = deadline - time.monotonic()
@@ -361,6 +365,29 @@ class LocalTransport(Transport):
             raise self._lost(worker, f"its connection broke ({error})") from error
 
     recv_step = recv
+
+    def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
+        sockets = self.sockets
+        ready = [worker for worker in workers if sockets[worker].has_data()]
+        if ready:
+            return ready
+        by_fd = {sockets[worker].sock.fileno(): worker for worker in workers}
+        poller = select.poll()
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            events = poller.poll(min(remaining, _LIVENESS_INTERVAL) * 1000.0)
+            if events:
+                # Readable includes closed: the receive that follows names a lost worker.
+                readable = {by_fd[fd] for fd, _ in events}
+                return [worker for worker in workers if worker in readable]
+            for worker in workers:
+                if self.processes[worker].poll() is not None:
+                    return [worker]  # its receive reports it lost
 
     def _check_alive(self, worker: int) -> None:
         if self.processes[worker].poll() is not None:

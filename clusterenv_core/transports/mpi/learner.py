@@ -456,6 +456,26 @@ class MPITransport(Transport):
         self._received(worker)
         return self._receive_pickled(probe)
 
+    @holding_mpi_lock
+    def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
+        requests = self._result_requests
+        for worker in workers:
+            if requests[worker] is None:
+                raise ClusterEnvError(f"wait_steps without send_step for worker {worker}")
+        ready: list[int] = []
+
+        def any_ready() -> bool:
+            # A completed request stays complete (mpi4py nulls it): recv_step then returns at once.
+            ready.extend(worker for worker in workers if requests[worker].Test())
+            return bool(ready)
+
+        def check() -> None:
+            for worker in workers:
+                self._check_alive(worker)
+
+        poll(any_ready, timeout, self.spin, self.max_sleep, check, self.liveness_interval)
+        return ready
+
     # -- regions (worker-side inference) ----------------------------------------------------------
 
     def share_region(self, nbytes: int) -> tuple[Any, memoryview]:

@@ -1,0 +1,262 @@
+"""Asynchronous batches: EnvPool's ``send``/``recv`` over a pool, so fast workers never wait for slow ones.
+
+A synchronous step waits for the slowest block. Here each worker steps its block as soon as every
+env of the block has its action, and replies on its own; :meth:`AsyncBatches.recv` returns the
+first ``batch_size`` envs whose results are in (oldest first, then by env id), and
+:meth:`AsyncBatches.send` gives actions to exactly the envs it names, which must be envs ``recv``
+returned. Episodes reset as in gymnasium's ``next_step`` mode (EnvPool's behaviour): the action
+that follows a finished episode is ignored and the env returns its reset observation with reward
+0. Workers and messages are those of synchronous steps: the action rows go in one message per
+worker, the result rows come back in the pool's buffers; :meth:`recv` copies the rows it returns
+into buffers made once.
+
+Use it through :meth:`EnvPool.async_batches <clusterenv_core.pool.EnvPool.async_batches>`, or
+``clusterenv_cleanrl.ClusterEnvPool`` for EnvPool's own interface.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import time
+
+import numpy as np
+
+from clusterenv_core import protocol
+from clusterenv_core.checks import check_int, is_int
+from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.results import BatchResult
+
+if TYPE_CHECKING:
+    from clusterenv_core.pool import EnvPool
+
+
+class AsyncBatches:
+    """Asynchronous stepping of a pool's envs in batches of ``batch_size``.
+
+    :param pool: a pool made with ``autoreset_mode="next_step"`` whose spaces have buffers (no
+        Text/Graph/Sequence or custom spaces), with no step pending
+    :param batch_size: how many envs each :meth:`recv` returns; with several workers, a multiple
+        of a worker's block keeps every worker busy (a block steps once all its envs have actions)
+    """
+
+    def __init__(self, pool: EnvPool, batch_size: int) -> None:
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        if batch_size > pool.num_envs:
+            raise ValueError(f"batch_size must be at most num_envs={pool.num_envs}, got {batch_size}")
+        if pool.autoreset_mode != "next_step":
+            raise ValueError(
+                f"asynchronous batches reset episodes in the next step: make the pool with "
+                f"autoreset_mode='next_step' (it has {pool.autoreset_mode!r})"
+            )
+        buffers = pool.buffers
+        if not (buffers.obs_layout.buffered and buffers.act_layout.buffered):
+            raise ValueError(
+                "asynchronous batches need observation and action spaces that fit in buffers "
+                f"(got {pool.observation_space} and {pool.action_space})"
+            )
+        pool._check_usable()
+        pool._check_not_stepping()
+        self.pool = pool
+        self.batch_size = batch_size
+        num_envs = pool.num_envs
+        self._ready: deque[int] = deque()  # envs whose results are in and not yet returned, oldest first
+        self._returned = np.zeros(num_envs, dtype=bool)  # returned by recv, waiting for their action
+        self._has_action = np.zeros(num_envs, dtype=bool)  # sent an action, their block not stepping yet
+        self._stepping: list[int] = []  # workers stepping, in the order they started
+        self._started_at: dict[int, float] = {}  # when each stepping worker started
+        self._infos: dict[int, dict] = {}  # step infos of the ready envs
+        self._started = False
+        # What recv returns: rows gathered into buffers allocated once.
+        self._obs_rows = [np.empty((batch_size, *array.shape[1:]), dtype=array.dtype) for array in buffers.obs]
+        self._obs = buffers.obs_layout.batch(self._obs_rows)
+        self._rewards = np.empty(batch_size, dtype=buffers.rewards.dtype)
+        self._terminated = np.empty(batch_size, dtype=bool)
+        self._truncated = np.empty(batch_size, dtype=bool)
+        self._env_ids = np.empty(batch_size, dtype=np.int64)
+        pool.batches = self
+
+    @property
+    def stepping(self) -> bool:
+        """Whether some worker is stepping (the pool's other calls wait until none is)."""
+        return bool(self._stepping)
+
+    def reset(self, seeds: list[int | None] | None = None, options: list[dict | None] | None = None) -> None:
+        """Reset every env (with the pool's :meth:`~clusterenv_core.pool.EnvPool.reset` arguments);
+        afterwards every env is ready for :meth:`recv`, in env order, and results not yet returned
+        are dropped. No worker may be stepping."""
+        if self._stepping:
+            raise ClusterEnvError("reset while envs are stepping: recv their results first")
+        result = self.pool.reset(seeds, options)
+        self._returned[:] = False
+        self._has_action[:] = False
+        self._ready = deque(range(self.pool.num_envs))
+        self._infos = {index: info for index, info in result.infos.items()}
+        self.pool.buffers.rewards[:] = 0.0
+        self.pool.buffers.terminated[:] = False
+        self.pool.buffers.truncated[:] = False
+        self._started = True
+
+    def reset_envs(self, env_ids: Any) -> tuple[Any, dict[int, dict]]:
+        """Reset the envs ``env_ids``, which :meth:`recv` returned and have no action yet (their
+        workers are idle, whatever the others do); returns their reset observations (new arrays,
+        in the order of ``env_ids``) and non-empty infos. They still wait for their actions."""
+        pool = self.pool
+        pool._check_usable()
+        env_ids = self._check_env_ids(env_ids)
+        mask = np.zeros(pool.num_envs, dtype=bool)
+        mask[env_ids] = True
+        workers = np.unique(pool.worker_of[env_ids]).tolist()
+        for worker in workers:
+            block = pool.blocks[worker]
+            size = len(block)
+            pool._send(worker, protocol.Reset([None] * size, [None] * size, mask[block.start : block.stop].tolist()))
+        infos: dict[int, dict] = {}
+        for parts in pool._gather(workers, "reset").values():
+            if parts is not None:
+                infos.update(parts.get("infos", ()))
+        buffers = pool.buffers
+        obs = buffers.obs_layout.batch([np.take(array, env_ids, axis=0) for array in buffers.obs])
+        return obs, infos
+
+    def send(self, actions: Any, env_ids: Any) -> None:
+        """Give ``actions`` (a batch over ``env_ids``, as the pool's ``step_async`` takes for all envs)
+        to the envs ``env_ids``, which :meth:`recv` returned and have no action yet; each worker
+        whose envs all have their actions starts stepping.
+
+        :raises ValueError: an env id out of range, repeated, or of an env that is not waiting for
+            an action; actions of the wrong shape or values. Nothing is sent then.
+        """
+        pool = self.pool
+        pool._check_usable()
+        env_ids = self._check_env_ids(env_ids)
+        leaves = pool.buffers.act_layout.check_batch(actions, len(env_ids))
+        for buffer, leaf in zip(pool.buffers.actions, leaves):
+            buffer[env_ids] = leaf
+        self._returned[env_ids] = False
+        self._has_action[env_ids] = True
+        for worker in np.unique(pool.worker_of[env_ids]).tolist():
+            block = pool.blocks[worker]
+            if self._has_action[block.start : block.stop].all():
+                self._start(worker)
+
+    def _check_env_ids(self, env_ids: Any) -> np.ndarray:
+        ids = np.asarray(env_ids)
+        if ids.ndim != 1 or ids.size == 0 or not (np.issubdtype(ids.dtype, np.integer) or all(map(is_int, ids))):
+            raise ValueError(f"env_ids must be a non-empty 1-d sequence of ints, got {env_ids!r}")
+        ids = ids.astype(np.int64)
+        num_envs = self.pool.num_envs
+        outside = ids[(ids < 0) | (ids >= num_envs)]
+        if outside.size:
+            raise ValueError(f"env id {int(outside[0])} is out of range: the pool has envs 0..{num_envs - 1}")
+        unique, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"env id {int(unique[counts > 1][0])} is given more than once")
+        waiting = self._returned[ids]
+        if not waiting.all():
+            env = int(ids[~waiting][0])
+            why = "has its action already" if self._has_action[env] else "has not been returned by recv since its last action"
+            raise ValueError(f"env {env} {why}: send actions only to the envs recv returned")
+        return ids
+
+    def _start(self, worker: int) -> None:
+        pool = self.pool
+        block = pool.blocks[worker]
+        self._has_action[block.start : block.stop] = False
+        if pool._restarter is not None:
+            pool._restarter.remember_obs(block)
+        try:
+            pool._transport.send_step(worker)
+        except (WorkerLostError, WorkerTimeoutError) as error:
+            pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
+        pool._awaiting[worker] = None
+        self._stepping.append(worker)
+        self._started_at[worker] = time.monotonic()
+
+    def recv(self) -> BatchResult:
+        """Wait until ``batch_size`` envs have results (no wait when enough are in) and return those
+        that came first: env ids ascending, their observations, rewards, terminations, truncations
+        and non-empty infos. Arrays are views of buffers reused by the next ``recv``.
+
+        :raises ClusterEnvError: before waiting, when the envs that can still come are too few
+            (some returned envs have no action yet)
+        :raises EnvError: an env failed in its step; its worker's envs are returned to the caller's
+            side (waiting for actions, their rows undefined), the pool stays usable
+        """
+        pool = self.pool
+        pool._check_usable()
+        if not self._started:
+            raise ClusterEnvError("recv before reset: call reset first")
+        transport = pool._transport
+        self._time_out_overdue()
+        while len(self._ready) < self.batch_size:
+            coming = sum(len(pool.blocks[worker]) for worker in self._stepping)
+            if len(self._ready) + coming < self.batch_size:
+                waiting = np.flatnonzero(self._returned | self._has_action).tolist()
+                raise ClusterEnvError(
+                    f"recv cannot return {self.batch_size} envs: {len(self._ready)} are ready and {coming} "
+                    f"stepping; envs {waiting} wait for actions (send them first)"
+                )
+            # Up to when the oldest step exceeds the timeout: a stuck worker is found even while
+            # the others keep the batches full.
+            oldest = min(self._started_at[worker] for worker in self._stepping)
+            ready = transport.wait_steps(list(self._stepping), max(oldest + pool.timeout - time.monotonic(), 0.0))
+            if ready:
+                self._receive(ready)
+            else:
+                self._time_out_overdue()
+        count = self.batch_size
+        env_ids = self._env_ids
+        env_ids[:] = sorted(self._ready.popleft() for _ in range(count))
+        buffers = pool.buffers
+        for rows, array in zip(self._obs_rows, buffers.obs):
+            np.take(array, env_ids, axis=0, out=rows)
+        np.take(buffers.rewards, env_ids, out=self._rewards)
+        np.take(buffers.terminated, env_ids, out=self._terminated)
+        np.take(buffers.truncated, env_ids, out=self._truncated)
+        self._returned[env_ids] = True
+        infos = {}
+        for env in env_ids.tolist():
+            info = self._infos.pop(env, None)
+            if info:
+                infos[env] = info
+        return BatchResult(env_ids, self._obs, self._rewards, self._terminated, self._truncated, infos)
+
+    def _time_out_overdue(self) -> None:
+        """A worker stepping for longer than the timeout, with no reply in, timed out."""
+        pool = self.pool
+        now = time.monotonic()
+        overdue = [worker for worker in self._stepping if now - self._started_at[worker] > pool.timeout]
+        if not overdue:
+            return
+        self._receive(pool._transport.wait_steps(overdue, 0.0))  # replies in but not read yet
+        for worker in overdue:
+            if worker not in self._stepping:
+                continue
+            pool._transport.failed.add(worker)
+            error = WorkerTimeoutError(f"worker {worker} did not answer its step within {pool.timeout:g} s")
+            pool._awaiting.pop(worker, None)
+            pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
+            self._stepping.remove(worker)
+            results = pool._restarter.replace_lost()
+            self._infos.update((results.get(worker) or {}).get("infos", ()))
+            self._ready.extend(pool.blocks[worker])
+
+    def _receive(self, workers: list[int]) -> None:
+        """Read the step replies of ``workers``; their envs become ready, oldest step first."""
+        pool = self.pool
+        restarter = pool._restarter
+        for worker in workers:
+            self._stepping.remove(worker)
+            block = pool.blocks[worker]
+            try:
+                results = pool._gather([worker], "step", step=True)
+                if restarter is not None:
+                    results.update(restarter.replace_lost())
+            except EnvError:
+                self._returned[block.start : block.stop] = True
+                raise
+            parts = results.get(worker) or {}
+            self._infos.update(parts.get("infos", ()))
+            self._ready.extend(block)
