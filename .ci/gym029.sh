@@ -23,6 +23,7 @@ fi
 cd "$root"
 "$venv/bin/python" -c 'import gymnasium; assert gymnasium.__version__ == "0.29.1", gymnasium.__version__'
 # The training test needs torch and skips itself, the SB3 parts skip too; the contract, failure,
-# registry (ids from the user's script and from ale_py), action-form and Atari/MuJoCo tests run.
+# registry (ids from the user's script and from ale_py), action-form, Atari/MuJoCo and asynchronous-batch tests run.
 "$venv/bin/python" -m pytest tests/test_cleanrl_vector_env.py tests/test_cleanrl_failures.py tests/test_cleanrl_training.py \
-    tests/test_registry.py tests/test_action_forms.py tests/test_workloads.py tests/test_env_output.py tests/test_fuzz.py -q
+    tests/test_registry.py tests/test_action_forms.py tests/test_workloads.py tests/test_env_output.py tests/test_fuzz.py \
+    tests/test_async_batches.py -q

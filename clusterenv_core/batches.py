@@ -136,7 +136,7 @@ class AsyncBatches:
             buffer[env_ids] = leaf
         self._returned[env_ids] = False
         self._has_action[env_ids] = True
-        for worker in np.unique(pool.worker_of[env_ids]).tolist():
+        for worker in sorted(set(pool.worker_of[env_ids].tolist())):
             block = pool.blocks[worker]
             if self._has_action[block.start : block.stop].all():
                 self._start(worker)
@@ -145,14 +145,16 @@ class AsyncBatches:
         ids = np.asarray(env_ids)
         if ids.ndim != 1 or ids.size == 0 or not (np.issubdtype(ids.dtype, np.integer) or all(map(is_int, ids))):
             raise ValueError(f"env_ids must be a non-empty 1-d sequence of ints, got {env_ids!r}")
-        ids = ids.astype(np.int64)
+        ids = ids.astype(np.int64, copy=False)
         num_envs = self.pool.num_envs
-        outside = ids[(ids < 0) | (ids >= num_envs)]
-        if outside.size:
+        if ids.min() < 0 or ids.max() >= num_envs:
+            outside = ids[(ids < 0) | (ids >= num_envs)]
             raise ValueError(f"env id {int(outside[0])} is out of range: the pool has envs 0..{num_envs - 1}")
-        unique, counts = np.unique(ids, return_counts=True)
-        if (counts > 1).any():
-            raise ValueError(f"env id {int(unique[counts > 1][0])} is given more than once")
+        listed = ids.tolist()
+        if len(set(listed)) != len(listed):  # a set: cheaper than np.unique for batch-sized arrays
+            seen: set[int] = set()
+            repeated = next(env for env in listed if env in seen or seen.add(env))
+            raise ValueError(f"env id {repeated} is given more than once")
         waiting = self._returned[ids]
         if not waiting.all():
             env = int(ids[~waiting][0])

@@ -21,6 +21,7 @@ QUICK_RUNS = {
     "sb3_ppo_cartpole": ["sb3_ppo_cartpole.py", "--timesteps", "1024"],
     "sb3_ppo_aaps": ["sb3_ppo_aaps.py", "--timesteps", "2048", "--kl-threshold", "0.001"],
     "cleanrl_ppo": ["cleanrl/ppo.py", "--total-timesteps", "2048", "--eval-episodes", "1"],
+    "cleanrl_ppo_async": ["cleanrl/ppo_async.py", "--total-timesteps", "4096", "--eval-episodes", "1"],
     "cleanrl_ppo_aaps": [
         "cleanrl/ppo_aaps.py", "--total-timesteps", "4096", "--eval-episodes", "1", "--sync", "aaps",
         "--kl-threshold", "0.001", "--overlap", "--sync-every", "minibatch",
@@ -58,6 +59,7 @@ EXPECTED_OUTPUT = {
     "sb3_ppo_cartpole": ["mean return over 20 episodes"],
     "sb3_ppo_aaps": ["syncs ", "greedy policy, mean return over 10 episodes"],
     "cleanrl_ppo": ["greedy policy, mean return over 1 episodes"],
+    "cleanrl_ppo_async": ["trained 4096 steps", "greedy policy, mean return over 1 episodes"],
     "cleanrl_ppo_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_ppo_aaps_behaviour_ratio": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_dqn": ["greedy policy, mean return over 1 episodes"],
