@@ -3,19 +3,21 @@
 Change ``DummyVecEnv(env_fns)`` (or ``SubprocVecEnv``) to ``ClusterVecEnv(env_fns)``, or pass
 ``vec_env_cls=ClusterVecEnv`` to ``make_vec_env``.
 
-Worker-side inference: ``clusterenv_sb3.PPO``, ``A2C`` and ``DQN`` are SB3's algorithms acting
+Worker-side inference: ``clusterenv_sb3.PPO``, ``A2C``, ``DQN``, ``SAC`` and ``TD3`` are SB3's algorithms acting
 on the workers (give them a bare ``ClusterVecEnv``); ``AAPSCallback`` syncs weights adaptively.
 """
 
 from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_sb3.aaps_callback import AAPSCallback
-from clusterenv_sb3.algorithms import A2C, DQN, PPO
+from clusterenv_sb3.algorithms import A2C, DQN, PPO, SAC, TD3
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
 
 __all__ = [
     "A2C",
     "DQN",
     "PPO",
+    "SAC",
+    "TD3",
     "AAPSCallback",
     "ClusterEnvError",
     "ClusterVecEnv",

@@ -1,6 +1,6 @@
-"""SB3's PPO, A2C and DQN with worker-side inference: the workers act, the learner only learns.
+"""SB3's PPO, A2C, DQN, SAC and TD3 with worker-side inference: the workers act, the learner only learns.
 
-``clusterenv_sb3.PPO``, ``A2C`` and ``DQN`` are Stable-Baselines3's algorithms with their
+``clusterenv_sb3.PPO``, ``A2C``, ``DQN``, ``SAC`` and ``TD3`` are Stable-Baselines3's algorithms with their
 constructors unchanged (plus ``overlap_collection``, and ``max_behaviour_weight`` for PPO and
 A2C), learning from rollout segments that the ClusterEnv workers collect with their own copy of
 the policy. The policy is deployed once, when learning starts; after every learner update
@@ -20,6 +20,9 @@ Design:
 - DQN sends its exploration rate to the workers as the rollout context (``epsilon``; 1.0 before
   ``learning_starts``, where SB3 samples uniformly). One rate holds for a whole ``train_freq``
   segment, where SB3 moves it after every step.
+- SAC and TD3 deploy the actor only; the context says whether the segment is warm-up (uniform
+  random actions before ``learning_starts``) and carries Gaussian exploration noise, which the
+  workers draw per env and step.
 - The env must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`: workers step the raw envs, so
   VecEnv wrappers (``VecNormalize``, ``VecFrameStack``, ``VecTransposeImage``, ...) would never see
   the data; they are refused instead of silently bypassed.
@@ -35,6 +38,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import ReplayBuffer, RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.noise import NormalActionNoise, VectorizedActionNoise
 from stable_baselines3.common.type_aliases import RolloutReturn, TrainFreq, TrainFrequencyUnit
 from stable_baselines3.common.utils import obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
@@ -42,7 +46,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
 from clusterenv_core.aaps import PolicySync
 from clusterenv_core.rollout import Rollout
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
-from clusterenv_sb3.policies import make_deployable
+from clusterenv_sb3.policies import TD3ActorDeployable, make_deployable
 
 DEFAULT_SYNC = {"mode": "always", "threshold": 0.01, "max_staleness": None, "probe_size": 256}
 
@@ -205,7 +209,7 @@ class WorkerInferenceMixin:
         sync = self._policy_sync
         acting = self._acting_policy()
         if sync is None or self._deployed_pool is not pool or sync.policy.acting_module() is not acting:
-            learner = make_deployable(acting)
+            learner = self._make_deployable(acting)
             actors = pool.deploy(learner.deployable_copy(), seed=self.seed)
             self._deployed_pool = pool
             self._policy_sync = PolicySync(actors, learner, **self._sync_config)
@@ -214,6 +218,10 @@ class WorkerInferenceMixin:
 
     def _acting_policy(self) -> th.nn.Module:
         return self.policy
+
+    def _make_deployable(self, acting: th.nn.Module) -> Any:
+        """The learner-side wrapper of the acting module (its copy is what the workers get)."""
+        return make_deployable(acting)
 
     def learn(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -419,37 +427,18 @@ class A2C(OnPolicyWorkerInferenceMixin, sb3.A2C):
     """
 
 
-class DQN(WorkerInferenceMixin, sb3.DQN):
-    """Stable-Baselines3's DQN with worker-side inference (same constructor as ``stable_baselines3.DQN``).
+class OffPolicyWorkerInferenceMixin(WorkerInferenceMixin):
+    """Off-policy collection (DQN, SAC, TD3): segments of ``train_freq`` steps stored in SB3's replay
+    buffer, transition by transition, as SB3's ``collect_rollouts`` stores them."""
 
-    :param overlap_collection: collect the next ``train_freq`` segment while training
-
-    Workers act epsilon-greedily with the exploration rate of the segment's start (one random draw
-    per env and step); ``train_freq`` must count steps (episodes: ``NotImplementedError``).
-    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`.
-    """
-
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_worker_inference(overlap_collection)
-        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model
-            self._segment_request()  # refuses train_freq in episodes now rather than at learn()
-
-    def _acting_policy(self) -> th.nn.Module:
-        return self.policy.q_net
-
-    def _segment_request(self) -> tuple[int, dict]:
+    def _segment_steps(self) -> int:
         train_freq = self.train_freq
         if not isinstance(train_freq, TrainFreq) or train_freq.unit != TrainFrequencyUnit.STEP:
             raise NotImplementedError(
-                "clusterenv_sb3.DQN collects fixed-length segments: train_freq must count steps, "
-                f"got {train_freq}; use stable_baselines3.DQN for train_freq in episodes"
+                f"clusterenv_sb3.{self._algorithm_name()} collects fixed-length segments: train_freq must count "
+                f"steps, got {train_freq}; use stable_baselines3.{self._algorithm_name()} for train_freq in episodes"
             )
-        if self.num_timesteps < self.learning_starts:
-            epsilon = 1.0  # SB3 samples uniformly before learning starts
-        else:
-            epsilon = float(self.exploration_schedule(self._current_progress_remaining))
-        return int(train_freq.frequency), {"epsilon": epsilon}
+        return int(train_freq.frequency)
 
     def collect_rollouts(
         self,
@@ -502,3 +491,101 @@ class DQN(WorkerInferenceMixin, sb3.DQN):
         callback.on_rollout_end()
         self._start_next_segment()
         return RolloutReturn(num_collected_steps * env.num_envs, num_collected_episodes, continue_training=True)
+
+
+class DQN(OffPolicyWorkerInferenceMixin, sb3.DQN):
+    """Stable-Baselines3's DQN with worker-side inference (same constructor as ``stable_baselines3.DQN``).
+
+    :param overlap_collection: collect the next ``train_freq`` segment while training
+
+    Workers act epsilon-greedily with the exploration rate of the segment's start (one random draw
+    per env and step); ``train_freq`` must count steps (episodes: ``NotImplementedError``).
+    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`.
+    """
+
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_worker_inference(overlap_collection)
+        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model
+            self._segment_request()  # refuses train_freq in episodes now rather than at learn()
+
+    def _acting_policy(self) -> th.nn.Module:
+        return self.policy.q_net
+
+    def _segment_request(self) -> tuple[int, dict]:
+        steps = self._segment_steps()
+        if self.num_timesteps < self.learning_starts:
+            epsilon = 1.0  # SB3 samples uniformly before learning starts
+        else:
+            epsilon = float(self.exploration_schedule(self._current_progress_remaining))
+        return steps, {"epsilon": epsilon}
+
+
+def _noise_parameters(action_noise: Any, action_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(mean, sigma)`` of SB3 action noise that the workers can draw themselves: Gaussian
+    (``NormalActionNoise``, or SB3's ``VectorizedActionNoise`` of one, which is per env anyway)."""
+    if action_noise is None:
+        return None
+    base = action_noise.base_noise if isinstance(action_noise, VectorizedActionNoise) else action_noise
+    if not isinstance(base, NormalActionNoise):
+        raise ValueError(
+            f"{type(base).__name__} cannot run on the workers (only NormalActionNoise, a draw per env and step, "
+            "which needs no state): use NormalActionNoise, or stable_baselines3's algorithm on the ClusterVecEnv"
+        )
+    shape = (action_dim,)
+    return np.broadcast_to(base._mu, shape).astype(np.float64), np.broadcast_to(base._sigma, shape).astype(np.float64)
+
+
+class _ActorWorkerInferenceMixin(OffPolicyWorkerInferenceMixin):
+    """SAC and TD3: the actor acts on the workers; warm-up and exploration noise travel as the context."""
+
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.action_space, spaces.Box):
+            raise ValueError(f"{self._algorithm_name()} needs a Box action space, got {self.action_space}")
+        self._init_worker_inference(overlap_collection)
+        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model
+            self._segment_request()  # refuses train_freq in episodes and noise the workers cannot draw, now
+
+    def _acting_policy(self) -> th.nn.Module:
+        return self.policy.actor
+
+    def _segment_request(self) -> tuple[int, dict]:
+        steps = self._segment_steps()
+        noise = _noise_parameters(self.action_noise, int(np.prod(self.action_space.shape)))
+        # SB3 samples uniformly before learning starts (decided here per segment, as DQN's rate).
+        return steps, {"random": self.num_timesteps < self.learning_starts, "noise": noise}
+
+
+class SAC(_ActorWorkerInferenceMixin, sb3.SAC):
+    """Stable-Baselines3's SAC with its actor on the workers (same constructor as ``stable_baselines3.SAC``).
+
+    :param overlap_collection: collect the next ``train_freq`` segment while training
+
+    Only the actor travels (never the critics, the entropy coefficient or the replay buffer). The
+    workers sample the squashed Gaussian, and before ``learning_starts`` draw uniform actions from
+    the Box; ``action_noise`` may be SB3's ``NormalActionNoise`` (drawn per env on the workers).
+    Transitions fill SB3's replay buffer as its ``collect_rollouts`` would (terminal observations,
+    timeouts for ``handle_timeout_termination``); ``train_freq`` must count steps, and the warm-up
+    is decided per segment. AAPS compares the actors' Gaussians before the tanh (the KL of the
+    squashed ones is the same). ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`; gSDE
+    is not supported.
+    """
+
+
+class TD3(_ActorWorkerInferenceMixin, sb3.TD3):
+    """Stable-Baselines3's TD3 with its actor on the workers (same constructor as ``stable_baselines3.TD3``).
+
+    :param overlap_collection: collect the next ``train_freq`` segment while training
+
+    Only the actor travels (never the critics, the target networks or the replay buffer). The
+    workers add ``action_noise`` (SB3's ``NormalActionNoise``; other noise types need state the
+    workers do not have and are refused) per env and step, and clip to [-1, 1] as SB3 does. AAPS
+    treats the acting policy as the Gaussian N(mu(s), sigma^2) of that noise: the divergence of two
+    actors is ``||mu_d - mu_c||^2 / (2 sigma^2)`` (summed over action dimensions) averaged over probe
+    states, so AAPS needs the noise. Otherwise as :class:`SAC`.
+    """
+
+    def _make_deployable(self, acting: th.nn.Module) -> Any:
+        noise = _noise_parameters(self.action_noise, int(np.prod(self.action_space.shape)))
+        return TD3ActorDeployable(acting, None if noise is None else noise[1])

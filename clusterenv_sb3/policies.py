@@ -12,6 +12,9 @@ carry the optimizer (nor the last distribution SB3 caches on the policy): only t
 - :class:`QNetworkDeployable` wraps a DQN ``QNetwork``: ``act(obs, epsilon=...)`` is
   epsilon-greedy per env, random draws from the worker's torch generator (seeded per worker by
   ``EnvPool.deploy(seed=...)``).
+- :class:`SACActorDeployable` and :class:`TD3ActorDeployable` wrap the actor of SAC and TD3 (never
+  the critics): ``act(obs, random=..., noise=...)`` picks actions as SB3's off-policy
+  ``_sample_action`` does, through the actor's own ``scale_action``/``unscale_action``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from stable_baselines3.common.distributions import (
 )
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.dqn.policies import QNetwork
+from stable_baselines3.sac.policies import Actor as SACActor
+from stable_baselines3.td3.policies import Actor as TD3Actor
 
 
 def _to_device(obs: Any, device: th.device) -> Any:
@@ -169,19 +174,125 @@ class QNetworkDeployable(_Deployable):
         return ("greedy", self.q_net(_to_device(obs, self.q_net.device)).cpu())
 
 
+class _OffPolicyActorDeployable(_Deployable):
+    """What SAC's and TD3's actors share: SB3's ``_sample_action`` on the workers.
+
+    :param actor: the actor of a SAC or TD3 policy (its ``action_space`` a Box)
+    """
+
+    def __init__(self, actor: th.nn.Module) -> None:
+        super().__init__()
+        if not isinstance(actor.action_space, spaces.Box):
+            raise ValueError(f"SAC and TD3 need a Box action space, got {actor.action_space}")
+        self.actor = actor
+        self.action_dim = int(np.prod(actor.action_space.shape))
+
+    def acting_module(self) -> th.nn.Module:
+        return self.actor
+
+    def _policy_actions(self, obs: Any) -> th.Tensor:
+        """The actor's squashed actions in [-1, 1] (SAC samples, TD3 is deterministic)."""
+        raise NotImplementedError
+
+    @th.no_grad()
+    def act(self, obs: Any, random: bool = False, noise: tuple | None = None) -> dict[str, th.Tensor]:
+        """``actions``, the scaled actions SB3 stores in its replay buffer, and ``env_actions``, what
+        the envs receive.
+
+        :param random: uniform random actions over the Box (SB3's warm-up before ``learning_starts``),
+            drawn from the worker's torch generator
+        :param noise: ``(mean, sigma)`` of Gaussian exploration noise added to the scaled actions and
+            clipped to [-1, 1], one draw per env (SB3's ``NormalActionNoise``, vectorized over envs)
+        """
+        actor = self.actor
+        space = actor.action_space
+        if random:
+            n = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+            draw = th.rand((n, *space.shape), dtype=th.float32).numpy()
+            unscaled = (space.low + draw * (space.high - space.low)).astype(space.dtype)
+        else:
+            # What SB3's predict() returns: the squashed actions unscaled to the Box.
+            squashed = self._policy_actions(_to_device(obs, actor.device)).cpu().numpy()
+            unscaled = actor.unscale_action(squashed.reshape((-1, *space.shape)))
+        scaled = actor.scale_action(unscaled)
+        if noise is not None:
+            mean, sigma = noise
+            draw = (mean + sigma * th.randn(scaled.shape, dtype=th.float64).numpy()).astype(np.float32)
+            scaled = np.clip(scaled + draw, -1, 1)
+        return {"actions": th.from_numpy(np.asarray(scaled)), "env_actions": th.from_numpy(actor.unscale_action(scaled))}
+
+
+class SACActorDeployable(_OffPolicyActorDeployable):
+    """Deployable view of SAC's actor (``model.actor``; shared, not copied): a squashed diagonal
+    Gaussian, sampled on the workers."""
+
+    def __init__(self, actor: SACActor) -> None:
+        if not isinstance(actor, SACActor):
+            raise TypeError(f"expected SAC's Actor, got {type(actor).__name__}")
+        if actor.use_sde:
+            raise ValueError("gSDE (use_sde=True) is not supported with worker-side inference")
+        super().__init__(actor)
+
+    def _policy_actions(self, obs: Any) -> th.Tensor:
+        return self.actor(obs, deterministic=False)
+
+    @th.no_grad()
+    def action_dist(self, obs: Any) -> tuple:
+        """``("gaussian", mean, log_std)`` before the tanh: the KL of the squashed Gaussians equals
+        theirs (tanh is a bijection)."""
+        mean, log_std, _ = self.actor.get_action_dist_params(_to_device(obs, self.actor.device))
+        return ("gaussian", mean.cpu(), log_std.cpu())
+
+
+class TD3ActorDeployable(_OffPolicyActorDeployable):
+    """Deployable view of TD3's deterministic actor (``model.actor``; shared, not copied).
+
+    :param actor: TD3's actor
+    :param sigma: the exploration noise's standard deviation in the scaled action space (per
+        action dimension), which makes the acting policy the Gaussian AAPS compares; ``None``
+        without noise (then AAPS cannot measure the drift)
+    """
+
+    def __init__(self, actor: TD3Actor, sigma: np.ndarray | None = None) -> None:
+        if not isinstance(actor, TD3Actor):
+            raise TypeError(f"expected TD3's Actor, got {type(actor).__name__}")
+        super().__init__(actor)
+        self.sigma = None if sigma is None else np.broadcast_to(np.asarray(sigma, dtype=np.float32), (self.action_dim,)).copy()
+
+    def _policy_actions(self, obs: Any) -> th.Tensor:
+        return self.actor(obs)
+
+    @th.no_grad()
+    def action_dist(self, obs: Any) -> tuple:
+        """``("gaussian", mu, log sigma)``: the deterministic action with its exploration noise; the
+        KL of two of them is ``||mu_d - mu_c||^2 / (2 sigma^2)`` summed over action dimensions."""
+        if self.sigma is None:
+            raise ValueError(
+                "AAPS compares TD3 actors through their Gaussian exploration noise: give the model "
+                "action_noise=NormalActionNoise(...), or sync 'always'/'never'"
+            )
+        mu = self.actor(_to_device(obs, self.actor.device)).cpu()
+        log_sigma = th.log(th.as_tensor(self.sigma)).expand_as(mu)
+        return ("gaussian", mu, log_sigma)
+
+
 def make_deployable(policy: Any) -> _Deployable:
-    """The wrapper for an SB3 policy: an ``ActorCriticPolicy``, a ``QNetwork``, or a DQN policy
-    (whose online ``q_net`` is what acts)."""
+    """The wrapper for an SB3 policy: an ``ActorCriticPolicy``, a ``QNetwork``, a DQN policy (whose
+    online ``q_net`` is what acts), or SAC's actor (TD3's takes its noise: :class:`TD3ActorDeployable`)."""
     if isinstance(policy, ActorCriticPolicy):
         return ActorCriticDeployable(policy)
     if isinstance(policy, QNetwork):
         return QNetworkDeployable(policy)
+    if isinstance(policy, SACActor):
+        return SACActorDeployable(policy)
+    if isinstance(policy, TD3Actor):
+        return TD3ActorDeployable(policy)
     q_net = getattr(policy, "q_net", None)
     if isinstance(q_net, QNetwork):
         return QNetworkDeployable(q_net)
     raise TypeError(
         f"no worker-side inference wrapper for {type(policy).__name__}: supported are ActorCriticPolicy "
-        "(PPO, A2C) and DQN's QNetwork"
+        "(PPO, A2C), DQN's QNetwork and the actors of SAC and TD3"
     )
 
 

@@ -133,10 +133,12 @@ def _dummy_env(env_id: str, n_envs: int = 4, seed: int = 0, **make_kwargs) -> Du
     return make_vec_env(env_id, n_envs=n_envs, seed=seed, env_kwargs=make_kwargs or None, vec_env_cls=DummyVecEnv)
 
 
-def _first_segments(algorithm, env, segments: int, **kwargs):
+def _first_segments(algorithm, env, segments: int, prepare=None, **kwargs):
     """Collect ``segments`` times with a train() in between, as learn() does; returns the buffers
-    after each collection and what the callback saw."""
+    after each collection and what the callback saw. ``prepare(model)`` runs before collecting."""
     model = algorithm(env=env, seed=0, device="cpu", **kwargs)
+    if prepare is not None:
+        prepare(model)
     callback = RecordingCallback()
     total, cb = model._setup_learn(10**6, callback)
     snapshots = []
