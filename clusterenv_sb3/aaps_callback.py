@@ -1,4 +1,4 @@
-"""``AAPSCallback``: Adaptive Actor Policy Synchronization for clusterenv_sb3's PPO, A2C and DQN, in SB3's logger.
+"""``AAPSCallback``: Adaptive Actor Policy Synchronization for clusterenv_sb3's PPO, A2C, DQN, SAC and TD3, in SB3's logger.
 
 The decision itself is :class:`clusterenv_core.aaps.PolicySync`'s; this callback only configures
 it for the ``learn()`` call it is passed to and records its counters under ``aaps/`` (so they reach
