@@ -13,6 +13,8 @@ from clusterenv_cleanrl.vector_env import ClusterVectorEnv
 from clusterenv_cleanrl.rollouts import (
     DeployableAgent,
     DeployableQNetwork,
+    DeployableSACActor,
+    DeployableTD3Actor,
     Episode,
     PPOBatch,
     Transition,
@@ -29,6 +31,8 @@ __all__ = [
     "ClusterVectorEnv",
     "DeployableAgent",
     "DeployableQNetwork",
+    "DeployableSACActor",
+    "DeployableTD3Actor",
     "Episode",
     "PPOBatch",
     "Transition",

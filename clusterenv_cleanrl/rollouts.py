@@ -17,7 +17,9 @@ script already works with::
 - :class:`DeployableAgent` turns CleanRL's PPO ``Agent`` into a deployable policy
   (``get_action_and_value`` becomes ``act``; ``actor`` logits, or ``actor_mean``/``actor_logstd``,
   become ``action_dist``); :class:`DeployableQNetwork` does the same for DQN's ``QNetwork``
-  (epsilon-greedy ``act(obs, epsilon=...)`` on the workers, greedy-action divergence for AAPS).
+  (epsilon-greedy ``act(obs, epsilon=...)`` on the workers, greedy-action divergence for AAPS);
+  :class:`DeployableSACActor` and :class:`DeployableTD3Actor` for the actors of CleanRL's SAC and
+  TD3 (warm-up actions, TD3's exploration noise, and their Gaussian divergences for AAPS).
 - :func:`ppo_batch` gives CleanRL's rollout tensors: ``obs``, ``actions``, ``logprobs`` (the
   workers'), ``learner_logprobs`` and ``values`` (the learner's current policy and critic),
   ``rewards``, ``dones`` and ``next_obs``/``next_done``.
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DeployableAgent",
     "DeployableQNetwork",
+    "DeployableSACActor",
+    "DeployableTD3Actor",
     "Episode",
     "PPOBatch",
     "Transition",
@@ -122,6 +126,70 @@ class DeployableQNetwork:
 
     def action_dist(self, obs: torch.Tensor) -> tuple:
         return ("greedy", self(_float(obs)))
+
+
+def _uniform_actions(actor: Any, obs: torch.Tensor) -> torch.Tensor:
+    """Uniform random actions over the Box the actor's ``action_scale``/``action_bias`` span, one per
+    env (CleanRL's ``envs.action_space.sample()`` before ``learning_starts``), from the worker's
+    torch generator."""
+    import torch
+
+    shape = (obs.shape[0], *actor.action_scale.shape)
+    return actor.action_bias + actor.action_scale * (2.0 * torch.rand(shape) - 1.0)
+
+
+class DeployableSACActor:
+    """Mixin making CleanRL's SAC ``Actor`` deployable: ``class Actor(DeployableSACActor, nn.Module)``.
+
+    The actor keeps CleanRL's interface: ``forward(x)`` returning ``(mean, log_std)`` of the Gaussian
+    before the tanh, ``get_action(x)`` returning ``(action, log_prob, mean)`` with actions scaled by
+    the ``action_scale`` and ``action_bias`` buffers. The mixin adds ``act(obs, random=False)``
+    (sampled actions; uniform ones with ``random``, as before ``learning_starts``) and
+    ``action_dist(obs)``: ``("gaussian", mean, log_std)``. The KL of the squashed, scaled actions
+    equals that of these Gaussians (tanh and the scaling are bijections).
+    """
+
+    def act(self, obs: torch.Tensor, random: bool = False) -> dict[str, torch.Tensor]:
+        obs = _float(obs)
+        actions = _uniform_actions(self, obs) if random else self.get_action(obs)[0]
+        return {"actions": actions}
+
+    def action_dist(self, obs: torch.Tensor) -> tuple:
+        mean, log_std = self(_float(obs))
+        return ("gaussian", mean, log_std)
+
+
+class DeployableTD3Actor:
+    """Mixin making CleanRL's TD3 ``Actor`` deployable: ``class Actor(DeployableTD3Actor, nn.Module)``.
+
+    ``forward(x)`` returns the deterministic action, scaled by the ``action_scale`` and
+    ``action_bias`` buffers. ``act(obs, random=False, exploration_noise=...)`` adds CleanRL's noise,
+    ``N(0, action_scale * exploration_noise)``, and clips to the Box (uniform actions with
+    ``random``). For AAPS the acting policy is that Gaussian around ``forward(x)``:
+    ``action_dist(obs)`` is ``("gaussian", mu, log(action_scale * exploration_noise))``, so the
+    divergence of two actors is ``||mu_d - mu_c||^2 / (2 sigma^2)``; set the instance's
+    ``exploration_noise`` to the script's (CleanRL's default, 0.1, otherwise).
+    """
+
+    exploration_noise: float = 0.1
+
+    def act(self, obs: torch.Tensor, random: bool = False, exploration_noise: float | None = None) -> dict[str, torch.Tensor]:
+        import torch
+
+        obs = _float(obs)
+        if random:
+            return {"actions": _uniform_actions(self, obs)}
+        noise = self.exploration_noise if exploration_noise is None else exploration_noise
+        actions = self(obs)
+        actions = actions + torch.normal(torch.zeros_like(actions), self.action_scale * noise)
+        low, high = self.action_bias - self.action_scale, self.action_bias + self.action_scale
+        return {"actions": torch.max(torch.min(actions, high), low)}
+
+    def action_dist(self, obs: torch.Tensor) -> tuple:
+        import torch
+
+        mu = self(_float(obs))
+        return ("gaussian", mu, torch.log(self.action_scale * self.exploration_noise).expand_as(mu))
 
 
 class Episode(NamedTuple):

@@ -15,6 +15,8 @@ from clusterenv_cleanrl import (  # noqa: E402
     ClusterVectorEnv,
     DeployableAgent,
     DeployableQNetwork,
+    DeployableSACActor,
+    DeployableTD3Actor,
     WorkerRollouts,
     add_to_replay_buffer,
     episodic_returns,
@@ -22,6 +24,7 @@ from clusterenv_cleanrl import (  # noqa: E402
     replay_transitions,
 )
 from clusterenv_core import EnvPool  # noqa: E402
+from clusterenv_core.aaps import divergence  # noqa: E402
 from clusterenv_core.rollout import Rollout  # noqa: E402
 
 GAMMA = 0.9
@@ -290,3 +293,114 @@ def test_rollouts_need_same_step_autoreset():
             WorkerRollouts(envs, GreedyAgent(), 4)
     with pytest.raises(TypeError, match="ClusterVectorEnv"):
         WorkerRollouts(gym.vector.SyncVectorEnv([make_env]), GreedyAgent(), 4)
+
+
+class ScaledActor(torch.nn.Module):
+    """The parts CleanRL's SAC and TD3 actors share: a Box of [-2, 2] and [0, 1] (scale and bias buffers)."""
+
+    def __init__(self, outputs: int) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(3, outputs)
+        self.register_buffer("action_scale", torch.tensor([2.0, 0.5]))
+        self.register_buffer("action_bias", torch.tensor([0.0, 0.5]))
+
+
+class SACActor(DeployableSACActor, ScaledActor):
+    def __init__(self) -> None:
+        super().__init__(4)
+
+    def forward(self, x):
+        mean, log_std = self.body(x).chunk(2, dim=-1)
+        return mean, log_std.clamp(-5, 2)
+
+    def get_action(self, x):
+        mean, log_std = self(x)
+        y = torch.tanh(torch.distributions.Normal(mean, log_std.exp()).rsample())
+        return y * self.action_scale + self.action_bias, None, torch.tanh(mean) * self.action_scale + self.action_bias
+
+
+class TD3Actor(DeployableTD3Actor, ScaledActor):
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.exploration_noise = 0.25
+
+    def forward(self, x):
+        return torch.tanh(self.body(x)) * self.action_scale + self.action_bias
+
+
+@pytest.mark.parametrize("actor_class", [SACActor, TD3Actor])
+def test_continuous_actors_act_within_the_box_and_warm_up_uniformly(actor_class):
+    torch.manual_seed(0)
+    actor = actor_class()
+    obs = torch.randn(4000, 3)
+    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])
+    for context in ({}, {"random": True}):
+        actions = actor.act(obs, **context)["actions"]
+        assert actions.shape == (4000, 2) and torch.all(actions >= low) and torch.all(actions <= high)
+    uniform = actor.act(obs, random=True)["actions"]
+    np.testing.assert_allclose(uniform.mean(0).numpy(), [0.0, 0.5], atol=0.05)  # uniform over the Box
+    np.testing.assert_allclose(uniform.std(0).numpy(), [4 / 12**0.5, 1 / 12**0.5], rtol=0.05)
+
+
+def test_td3_noise_is_cleanrls_and_its_divergence_the_closed_form():
+    torch.manual_seed(1)
+    actor = TD3Actor()
+    obs = torch.randn(20000, 3)
+    with torch.no_grad():
+        mu = actor(obs)
+        noisy = actor.act(obs, exploration_noise=0.05)["actions"]
+    inside = (mu[:, 0].abs() < 1.0)  # far from the bounds: no clipping
+    np.testing.assert_allclose((noisy - mu)[inside, 0].std().item(), 2.0 * 0.05, rtol=0.05)  # action_scale * noise
+    changed = TD3Actor()
+    changed.load_state_dict(actor.state_dict())
+    with torch.no_grad():
+        changed.body.bias.add_(0.1)
+        sigma = actor.action_scale * 0.25
+        expected = (((actor(obs) - changed(obs)) ** 2) / (2 * sigma**2)).sum(-1).mean().item()
+    assert divergence(actor, changed, obs.numpy()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_sac_divergence_is_the_kl_of_its_gaussians():
+    torch.manual_seed(2)
+    actor, changed = SACActor(), SACActor()
+    obs = torch.randn(500, 3)
+    with torch.no_grad():
+        (mean_p, log_std_p), (mean_q, log_std_q) = actor(obs), changed(obs)
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Normal(mean_p, log_std_p.exp()), torch.distributions.Normal(mean_q, log_std_q.exp())
+    ).sum(-1).mean().item()
+    assert divergence(actor, changed, obs.numpy()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_continuous_actor_collects_into_a_replay_buffer_and_syncs():
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    env_fn = functools.partial(gym.make, "Pendulum-v1")
+    envs = ClusterVectorEnv([env_fn] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, num_workers=1)
+    try:
+        actor = PendulumTD3Actor()
+        rollouts = WorkerRollouts(envs, actor, 8, sync="aaps", threshold=0.5, seed=0)
+        rb = ReplayBuffer(100, envs.single_observation_space, envs.single_action_space, device="cpu", n_envs=2)
+        rollouts.collect_replay(rb, context={"random": True})
+        rollout = rollouts.collect(context={"exploration_noise": 0.0})
+        with torch.no_grad():  # no noise: the workers' actions are the deployed actor's
+            np.testing.assert_allclose(rollout.actions, actor(torch.as_tensor(rollout.obs)).numpy(), rtol=1e-6)
+        assert rb.pos == 8 and np.all(np.abs(rb.actions[:8]) <= 2.0)
+        with torch.no_grad():
+            actor.fc.bias.add_(1.0)  # a large drift: AAPS pushes
+        assert rollouts.after_update() and rollouts.summary()["syncs"] == 1
+        assert not rollouts.after_update()  # no further change: no push
+    finally:
+        rollouts.close()
+        envs.close()
+
+
+class PendulumTD3Actor(DeployableTD3Actor, torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 1)
+        self.register_buffer("action_scale", torch.tensor([2.0]))
+        self.register_buffer("action_bias", torch.tensor([0.0]))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * self.action_scale + self.action_bias

@@ -22,6 +22,14 @@ QUICK_RUNS = {
     "sb3_ppo_aaps": ["sb3_ppo_aaps.py", "--timesteps", "2048", "--kl-threshold", "0.001"],
     "cleanrl_ppo": ["cleanrl/ppo.py", "--total-timesteps", "2048", "--eval-episodes", "1"],
     "cleanrl_ppo_async": ["cleanrl/ppo_async.py", "--total-timesteps", "4096", "--eval-episodes", "1"],
+    "cleanrl_sac_aaps": [
+        "cleanrl/sac_continuous_action_aaps.py", "--total-timesteps", "1200", "--learning-starts", "400", "--sync", "aaps",
+        "--eval-episodes", "1", "--track-dir", "None",
+    ],
+    "cleanrl_td3_aaps": [
+        "cleanrl/td3_continuous_action_aaps.py", "--total-timesteps", "1200", "--learning-starts", "400", "--sync", "aaps",
+        "--eval-episodes", "1", "--track-dir", "None",
+    ],
     "cleanrl_ppo_aaps": [
         "cleanrl/ppo_aaps.py", "--total-timesteps", "4096", "--eval-episodes", "1", "--sync", "aaps",
         "--kl-threshold", "0.001", "--overlap", "--sync-every", "minibatch",
@@ -60,6 +68,8 @@ EXPECTED_OUTPUT = {
     "sb3_ppo_aaps": ["syncs ", "greedy policy, mean return over 10 episodes"],
     "cleanrl_ppo": ["greedy policy, mean return over 1 episodes"],
     "cleanrl_ppo_async": ["trained 4096 steps", "greedy policy, mean return over 1 episodes"],
+    "cleanrl_sac_aaps": ["trained 1200 steps", "syncs ", "deterministic policy, mean return over 1 episodes"],
+    "cleanrl_td3_aaps": ["trained 1200 steps", "syncs ", "deterministic policy, mean return over 1 episodes"],
     "cleanrl_ppo_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_ppo_aaps_behaviour_ratio": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_dqn": ["greedy policy, mean return over 1 episodes"],
