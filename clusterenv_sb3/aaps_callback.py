@@ -55,7 +55,7 @@ class AAPSCallback(BaseCallback):
 
         if not isinstance(self.model, WorkerInferenceMixin):
             raise TypeError(
-                f"AAPSCallback needs an algorithm with worker-side inference (clusterenv_sb3.PPO, A2C or DQN), "
+                f"AAPSCallback needs an algorithm with worker-side inference (clusterenv_sb3.PPO, A2C, DQN, SAC or TD3), "
                 f"got {type(self.model).__module__}.{type(self.model).__name__}"
             )
         self.model.configure_sync(

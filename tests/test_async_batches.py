@@ -304,6 +304,21 @@ def test_lost_or_stuck_worker_is_reported_within_the_timeout(fault):
         pool.close()
 
 
+def check_reply_left_unread_is_no_timeout(**pool_kwargs) -> None:
+    """The learner trains for longer than the timeout between recvs: the worker answered long ago."""
+    with EnvPool.make("CartPole-v1", 8, num_workers=2, autoreset_mode="next_step", timeout=1.0, **pool_kwargs) as pool:
+        batches = pool.async_batches(4)
+        batches.reset(seeds=list(range(8)))
+        batches.send(np.zeros(4, dtype=np.int64), batches.recv().env_ids)  # worker 0 steps, answers at once
+        time.sleep(1.5)
+        assert list(batches.recv().env_ids) == [4, 5, 6, 7]
+        assert list(batches.recv().env_ids) == [0, 1, 2, 3]
+
+
+def test_a_reply_left_unread_longer_than_the_timeout_is_no_timeout():
+    check_reply_left_unread_is_no_timeout()
+
+
 def test_restarted_worker_ends_its_episodes_truncated():
     env_fns = [functools.partial(gym.make, "CartPole-v1")] * 2 + [
         lambda: SuicidalEnv(gym.make("CartPole-v1"), die_at=4)

@@ -378,13 +378,14 @@ class LocalTransport(Transport):
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return []
-            events = poller.poll(min(remaining, _LIVENESS_INTERVAL) * 1000.0)
+            # Polled at least once, also with no time left: a reply may be in already.
+            events = poller.poll(max(min(remaining, _LIVENESS_INTERVAL), 0.0) * 1000.0)
             if events:
                 # Readable includes closed: the receive that follows names a lost worker.
                 readable = {by_fd[fd] for fd, _ in events}
                 return [worker for worker in workers if worker in readable]
+            if remaining <= 0:
+                return []
             for worker in workers:
                 if self.processes[worker].poll() is not None:
                     return [worker]  # its receive reports it lost

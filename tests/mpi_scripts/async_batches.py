@@ -24,3 +24,5 @@ if __name__ == "__main__":
         print("OK async full batch", flush=True)
     test_async_batches.check_no_env_starves(backend="mpi")
     print("OK async no starvation", flush=True)
+    test_async_batches.check_reply_left_unread_is_no_timeout(backend="mpi")
+    print("OK async unread reply", flush=True)
