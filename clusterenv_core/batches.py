@@ -203,7 +203,10 @@ class AsyncBatches:
             # Up to when the oldest step exceeds the timeout: a stuck worker is found even while
             # the others keep the batches full.
             oldest = min(self._started_at[worker] for worker in self._stepping)
-            ready = transport.wait_steps(list(self._stepping), max(oldest + pool.timeout - time.monotonic(), 0.0))
+            try:
+                ready = transport.wait_steps(list(self._stepping), max(oldest + pool.timeout - time.monotonic(), 0.0))
+            except (WorkerLostError, WorkerTimeoutError) as error:  # the backend saw a loss while waiting (MPI)
+                raise pool._fail(error)
             if ready:
                 self._receive(ready)
             else:
@@ -232,7 +235,10 @@ class AsyncBatches:
         overdue = [worker for worker in self._stepping if now - self._started_at[worker] > pool.timeout]
         if not overdue:
             return
-        self._receive(pool._transport.wait_steps(overdue, 0.0))  # replies in but not read yet
+        try:
+            self._receive(pool._transport.wait_steps(overdue, 0.0))  # replies in but not read yet
+        except (WorkerLostError, WorkerTimeoutError) as error:
+            raise pool._fail(error)
         for worker in overdue:
             if worker not in self._stepping:
                 continue
