@@ -107,7 +107,7 @@ class AsyncBatches:
         env_ids = self._check_env_ids(env_ids)
         mask = np.zeros(pool.num_envs, dtype=bool)
         mask[env_ids] = True
-        workers = np.unique(pool.worker_of[env_ids]).tolist()
+        workers = self._workers_of(env_ids)
         for worker in workers:
             block = pool.blocks[worker]
             size = len(block)
@@ -136,10 +136,14 @@ class AsyncBatches:
             buffer[env_ids] = leaf
         self._returned[env_ids] = False
         self._has_action[env_ids] = True
-        for worker in sorted(set(pool.worker_of[env_ids].tolist())):
+        for worker in self._workers_of(env_ids):
             block = pool.blocks[worker]
             if self._has_action[block.start : block.stop].all():
                 self._start(worker)
+
+    def _workers_of(self, env_ids: np.ndarray) -> list[int]:
+        """The workers holding ``env_ids``, ascending (a set: cheaper than np.unique for a batch)."""
+        return sorted(set(self.pool.worker_of[env_ids].tolist()))
 
     def _check_env_ids(self, env_ids: Any) -> np.ndarray:
         ids = np.asarray(env_ids)

@@ -17,6 +17,7 @@ import pytest
 
 from clusterenv_cleanrl import ClusterEnvPool
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
+from tests.compare import assert_same
 from tests.envs import FailingEnv, HangingEnv, JitteryEnv, SlowCartPole, SuicidalEnv, make_dict_env
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
@@ -46,15 +47,6 @@ def replay_alone(env_fn, seed: int, actions: list) -> list[tuple]:
     return results
 
 
-def assert_same(left, right, where: str) -> None:
-    if isinstance(left, dict):
-        assert left.keys() == right.keys(), where
-        for key in left:
-            assert_same(left[key], right[key], f"{where}[{key!r}]")
-    else:
-        assert np.array_equal(np.asarray(left), np.asarray(right)), f"{where}: {left!r} != {right!r}"
-
-
 def check_trajectories_match_envs_alone(batch_size: int, recvs: int = 300, **pool_kwargs) -> None:
     """8 envs on 2 workers finishing in random order: every env's returned results equal the env alone."""
     num_envs = 8
@@ -69,7 +61,7 @@ def check_trajectories_match_envs_alone(batch_size: int, recvs: int = 300, **poo
             result = batches.recv()
             assert list(result.env_ids) == sorted(set(result.env_ids.tolist())) and len(result.env_ids) == batch_size
             for position, env in enumerate(result.env_ids.tolist()):
-                obs = {key: np.array(value[position]) for key, value in result.obs.items()}
+                obs = {key: value[position].copy() for key, value in result.obs.items()}
                 seen[env].append(
                     (
                         obs,

@@ -368,20 +368,23 @@ class MPITransport(Transport):
         if self.mode == "spawn" and pm_exited():
             raise self._lost_all("MPI's process manager ended (a spawned worker rank died and MPICH ended its job)")
 
-    def _check_alive(self, worker: int) -> None:
-        if self.hosts[worker] == HOST and not pid_alive(self.pids[worker]):
-            raise self._dead(worker)
+    def _check_alive(self, *workers: int) -> None:
+        """Raise for the first of ``workers`` known to be gone: its pid (same host), its heartbeats
+        (other hosts), or MPICH's process manager (spawn mode)."""
         heartbeat = self.heartbeat
         if heartbeat is not None:
-            heartbeat.beat()
-        if heartbeat is not None and worker in heartbeat.ranks:
-            silent = heartbeat.silent_for(worker)
-            if silent > self.heartbeat_timeout:
-                self.failed.add(worker)
-                raise WorkerLostError(
-                    f"worker {worker} ({self._describe(worker)}) sent no heartbeat for {silent:.1f} s "
-                    f"(heartbeat_timeout {self.heartbeat_timeout:g} s): its host is down or unreachable"
-                )
+            heartbeat.beat()  # receive the beats that came in, once for all the workers
+        for worker in workers:
+            if self.hosts[worker] == HOST and not pid_alive(self.pids[worker]):
+                raise self._dead(worker)
+            if heartbeat is not None and worker in heartbeat.ranks:
+                silent = heartbeat.silent_for(worker)
+                if silent > self.heartbeat_timeout:
+                    self.failed.add(worker)
+                    raise WorkerLostError(
+                        f"worker {worker} ({self._describe(worker)}) sent no heartbeat for {silent:.1f} s "
+                        f"(heartbeat_timeout {self.heartbeat_timeout:g} s): its host is down or unreachable"
+                    )
         self._check_manager()
 
     def _dead(self, worker: int) -> WorkerLostError:
@@ -469,10 +472,7 @@ class MPITransport(Transport):
             ready.extend(worker for worker in workers if requests[worker].Test())
             return bool(ready)
 
-        def check() -> None:
-            for worker in workers:
-                self._check_alive(worker)
-
+        check = functools.partial(self._check_alive, *workers)
         poll(any_ready, timeout, self.spin, self.max_sleep, check, self.liveness_interval)
         return ready
 

@@ -29,7 +29,7 @@ TAG_ARRAYS = 7106  # either way: the arrays of a region (policy weights, rollout
 TAG_HELLO = 7107  # worker -> learner, once: pid and host
 TAG_CONFIG = 7108  # learner -> worker, once: its index, the learner's pid and host, polling
 TAG_BELL = 7109  # worker -> learner, once: whether it connected to the learner's doorbell
-TAG_HEARTBEAT = 7110  # either way, between hosts, every heartbeat interval: one byte (heartbeat.py)
+TAG_HEARTBEAT = 7110  # worker -> learner, across hosts, every heartbeat interval: one byte (heartbeat.py)
 
 HEADER = 16  # bytes: int64 length of the pickled reply that follows (0: (OK, None)), int64 spare
 ALIGN = 64

@@ -4,8 +4,8 @@ A rank becomes a worker in one of three ways: spawned by the learner (``python -
 clusterenv_core.worker mpi spawn``), as the worker program of an MPMD launch (``python -m
 clusterenv_core.worker``), or, in an SPMD launch, when a rank above 0 constructs a pool
 (:func:`serve_as_worker`). It waits for requests in a :class:`~.waiting.Doorbell` when the learner
-shares its host, else it polls and exchanges heartbeats with the learner; a learner that vanishes
-(its pid or doorbell on the same host, its heartbeats from another) ends it.
+shares its host, else it polls and sends the learner heartbeats; a learner that vanishes (its pid
+or doorbell on the same host, its receipt of the heartbeats from another) ends it.
 """
 
 from __future__ import annotations
