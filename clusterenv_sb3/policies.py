@@ -8,7 +8,9 @@ carry the optimizer (nor the last distribution SB3 caches on the policy): only t
 
 - :class:`ActorCriticDeployable` wraps an ``ActorCriticPolicy`` (PPO, A2C): ``act`` is the
   policy's ``forward`` (actions, values, log-probabilities) and adds the actions the envs receive,
-  clipped to the Box bounds or unscaled as SB3's ``collect_rollouts`` does.
+  clipped to the Box bounds or unscaled as SB3's ``collect_rollouts`` does. For SB3's
+  ``MlpPolicy`` with a Gaussian or categorical distribution it runs :class:`_MlpForward`, the same
+  operations without SB3's module and distribution objects (a third of the time, same numbers).
 - :class:`QNetworkDeployable` wraps a DQN ``QNetwork``: ``act(obs, epsilon=...)`` is
   epsilon-greedy per env, random draws from the worker's torch generator (seeded per worker by
   ``EnvPool.deploy(seed=...)``).
@@ -20,6 +22,7 @@ carry the optimizer (nor the last distribution SB3 caches on the policy): only t
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,8 @@ from stable_baselines3.common.distributions import (
     StateDependentNoiseDistribution,
 )
 from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.preprocessing import preprocess_obs
+from stable_baselines3.common.torch_layers import FlattenExtractor, MlpExtractor
 from stable_baselines3.dqn.policies import QNetwork
 from stable_baselines3.sac.policies import Actor as SACActor
 from stable_baselines3.td3.policies import Actor as TD3Actor
@@ -105,14 +110,26 @@ class ActorCriticDeployable(_Deployable):
         return self.policy
 
     def _not_copied(self) -> list:
-        return [getattr(self.policy, "optimizer", None), getattr(self.policy.action_dist, "distribution", None)]
+        return [
+            getattr(self.policy, "optimizer", None),
+            getattr(self.policy.action_dist, "distribution", None),
+            self.__dict__.get("_mlp_forward"),
+        ]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_mlp_forward", None)  # rebuilt where it runs, around that copy's parameters
+        return state
 
     @th.no_grad()
     def act(self, obs: Any, deterministic: bool = False) -> dict[str, th.Tensor]:
         """The policy's ``forward``: ``actions`` (what SB3 stores in its buffer), ``env_actions``
         (Box spaces: what SB3 sends to the envs), ``values`` and ``log_probs``."""
         policy = self.policy
-        actions, values, log_probs = policy(_to_device(obs, policy.device), deterministic=deterministic)
+        mlp_forward = self.__dict__.get("_mlp_forward")
+        if mlp_forward is None:
+            mlp_forward = self.__dict__["_mlp_forward"] = _MlpForward.of(policy) or _generic_forward
+        actions, values, log_probs = mlp_forward(policy, _to_device(obs, policy.device), deterministic)
         out = {"actions": actions, "values": values.flatten(), "log_probs": log_probs}
         if self._box:
             low, high = self._low.to(actions.device), self._high.to(actions.device)
@@ -136,6 +153,99 @@ class ActorCriticDeployable(_Deployable):
             return ("bernoulli", dist.distribution.logits.cpu())
         mean = dist.distribution.mean
         return ("gaussian", mean.cpu(), (th.ones_like(mean) * policy.log_std).cpu())
+
+
+def _generic_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
+    return policy(obs, deterministic=deterministic)
+
+
+# Activation modules whose forward is one torch function.
+_ACTIVATIONS = {th.nn.Tanh: th.tanh, th.nn.ReLU: th.relu}
+
+
+def _mlp_layers(network: th.nn.Module) -> list | None:
+    """``network`` (an ``nn.Sequential`` of ``Linear`` layers and Tanh/ReLU) as its layers'
+    parameters and functions, or ``None`` for anything else."""
+    if not isinstance(network, th.nn.Sequential) or network._forward_hooks or network._forward_pre_hooks:
+        return None
+    layers = []
+    for module in network:
+        if type(module) is th.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+            layers.append((module.weight, module.bias))
+        elif type(module) in _ACTIVATIONS and not getattr(module, "inplace", False):
+            layers.append(_ACTIVATIONS[type(module)])
+        else:
+            return None
+    return layers
+
+
+def _run_layers(layers: list, x: th.Tensor) -> th.Tensor:
+    for layer in layers:
+        x = th.nn.functional.linear(x, *layer) if type(layer) is tuple else layer(x)
+    return x
+
+
+class _MlpForward:
+    """SB3's ``ActorCriticPolicy.forward`` for an ``MlpPolicy`` (flattened Box observations, an
+    ``MlpExtractor`` of Linear/Tanh/ReLU layers, a diagonal Gaussian or categorical distribution),
+    operation for operation and drawing the same random numbers, without SB3's module calls and
+    distribution objects: 55 instead of 165 µs for 8 HalfCheetah observations, on the workers'
+    critical path. The parameters are the policy's own (weights load into them in place).
+    """
+
+    def __init__(self, pi_layers: list, vf_layers: list, gaussian: bool) -> None:
+        self.pi_layers = pi_layers
+        self.vf_layers = vf_layers
+        self.gaussian = gaussian
+
+    @classmethod
+    def of(cls, policy: ActorCriticPolicy) -> _MlpForward | None:
+        """The lean forward of ``policy``, or ``None`` when it is not a plain ``MlpPolicy``."""
+        policy_class = type(policy)
+        plain = (
+            policy_class.forward is ActorCriticPolicy.forward
+            and policy_class.extract_features is ActorCriticPolicy.extract_features
+            and policy_class._get_action_dist_from_latent is ActorCriticPolicy._get_action_dist_from_latent
+            and not (policy._forward_hooks or policy._forward_pre_hooks)
+            and isinstance(policy.observation_space, spaces.Box)
+            and type(policy.features_extractor) is FlattenExtractor
+            and (policy.share_features_extractor or type(policy.vf_features_extractor) is FlattenExtractor)
+            and type(policy.mlp_extractor) is MlpExtractor
+            and type(policy.action_net) is th.nn.Linear
+            and type(policy.value_net) is th.nn.Linear
+            and type(policy.action_dist) in (DiagGaussianDistribution, CategoricalDistribution)
+        )
+        if not plain:
+            return None
+        pi_layers = _mlp_layers(policy.mlp_extractor.policy_net)
+        vf_layers = _mlp_layers(policy.mlp_extractor.value_net)
+        if pi_layers is None or vf_layers is None:
+            return None
+        pi_layers.append((policy.action_net.weight, policy.action_net.bias))
+        vf_layers.append((policy.value_net.weight, policy.value_net.bias))
+        return cls(pi_layers, vf_layers, type(policy.action_dist) is DiagGaussianDistribution)
+
+    def __call__(self, policy: ActorCriticPolicy, obs: th.Tensor, deterministic: bool) -> tuple:
+        features = preprocess_obs(obs, policy.observation_space, normalize_images=policy.normalize_images).flatten(1)
+        values = _run_layers(self.vf_layers, features)
+        out = _run_layers(self.pi_layers, features)
+        if self.gaussian:
+            # torch's Normal(mean, std): sample() is torch.normal, log_prob its closed form; SB3 sums
+            # the log-probabilities over the action dimensions.
+            std = th.ones_like(out) * policy.log_std.exp()
+            actions = out if deterministic else th.normal(out, std)
+            log_probs = -((actions - out) ** 2) / (2 * std**2) - std.log() - math.log(math.sqrt(2 * math.pi))
+            log_probs = log_probs.sum(dim=1)
+        else:
+            # torch's Categorical(logits=out): normalized logits, softmax probabilities, multinomial draws.
+            logits = out - out.logsumexp(dim=-1, keepdim=True)
+            probs = th.nn.functional.softmax(logits, dim=-1)
+            if deterministic:
+                actions = th.argmax(probs, dim=1)
+            else:
+                actions = th.multinomial(probs, 1, True).T.reshape(probs.shape[:-1])
+            log_probs = logits.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+        return actions.reshape((-1, *policy.action_space.shape)), values, log_probs
 
 
 class QNetworkDeployable(_Deployable):

@@ -24,7 +24,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: 
 
 import clusterenv_sb3  # noqa: E402
 from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
-from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, make_deployable  # noqa: E402
+from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
+from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _MlpForward, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
 
 AAPS_KEYS = {
@@ -251,6 +252,52 @@ def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
         assert len(dist[1]) == 2 and dist[1][1].shape == (16, 3)
     else:
         th.testing.assert_close(dist[1], sb3_dist.distribution.logits)
+
+
+@pytest.mark.parametrize(
+    "action_space, policy_kwargs",
+    [
+        (spaces.Discrete(4), {}),
+        (spaces.Box(-1.0, 1.0, (3,), np.float32), {}),
+        (spaces.Box(-1.0, 1.0, (2,), np.float32), dict(activation_fn=th.nn.ReLU, share_features_extractor=False)),
+        (spaces.Discrete(2), dict(net_arch=dict(pi=[32], vf=[16, 16, 8]))),
+    ],
+    ids=["discrete", "gaussian", "relu-unshared", "uneven-nets"],
+)
+def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwargs):
+    """The shipped copy runs _MlpForward: the same actions, values and log-probs as SB3's forward,
+    exactly, for the same seed, also with weights loaded into it after shipping."""
+    policy = _ppo_policy(action_space, **policy_kwargs)
+    shipped = pickle.loads(cloudpickle.dumps(ActorCriticDeployable(policy).deployable_copy()))
+    obs = th.rand(8, 3) * 2 - 1
+    shipped.act(obs)
+    assert isinstance(shipped.__dict__["_mlp_forward"], _MlpForward)
+    with th.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(th.randn_like(parameter) * 0.3)  # training moved the learner's weights
+    load_weights(shipped, flatten_weights(ActorCriticDeployable(policy)))
+    for seed in range(3):
+        for deterministic in (False, True):
+            th.manual_seed(seed)
+            out = shipped.act(obs, deterministic=deterministic)
+            th.manual_seed(seed)
+            with th.no_grad():
+                actions, values, log_probs = policy(obs, deterministic=deterministic)
+            assert th.equal(out["actions"], actions)
+            assert th.equal(out["values"], values.flatten())
+            assert th.equal(out["log_probs"], log_probs)
+    assert "_mlp_forward" not in pickle.loads(cloudpickle.dumps(shipped)).__dict__
+
+
+def test_policies_other_than_plain_mlp_keep_sb3s_forward():
+    assert _MlpForward.of(_ppo_policy(spaces.MultiDiscrete([2, 3]))) is None
+    assert _MlpForward.of(_ppo_policy(spaces.Discrete(2), activation_fn=th.nn.ELU)) is None
+    image_space = spaces.Box(0, 255, (1, 64, 64), np.uint8)
+    cnn = sb3.common.policies.ActorCriticCnnPolicy(image_space, spaces.Discrete(2), lambda _: 3e-4)
+    assert _MlpForward.of(cnn) is None
+    hooked = _ppo_policy(spaces.Discrete(2))
+    hooked.mlp_extractor.policy_net.register_forward_hook(lambda *args: None)
+    assert _MlpForward.of(hooked) is None
 
 
 def test_deployed_copy_has_no_optimizer_and_survives_training_state():
