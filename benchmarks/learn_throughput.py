@@ -13,11 +13,11 @@ shapes, shortened):
   after 1,000 random ones.
 
 Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference);
-PPO also with ``clusterenv_sb3.PPO`` (the policy on the workers), without and with
-``overlap_collection``. The time inside ``collect_rollouts`` and inside ``train`` is reported
-apart (with overlap, collection runs during training, so ``collect`` is only the wait for it);
-``setup`` is the rest of ``learn()`` (for worker-side inference: deploying the policy, the workers'
-torch start-up).
+PPO and SAC on HalfCheetah also with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on the
+workers), without and with ``overlap_collection``. The time inside ``collect_rollouts`` and
+inside ``train`` is reported apart (with overlap, collection runs during training, so ``collect``
+is only the wait for it); ``setup`` is the rest of ``learn()`` (for worker-side inference:
+deploying the policy, the workers' torch start-up).
 """
 
 from __future__ import annotations
@@ -72,28 +72,28 @@ def _pong(vec_env_cls: type, vec_env_kwargs: dict, n_envs: int) -> Any:
     return VecFrameStack(venv, n_stack=4)
 
 
-# name -> (make env, n_envs, algorithm factory, total timesteps, worker-side variants)
+# name -> (make env, n_envs, algorithm factory, total timesteps, worker-side algorithm class or None)
 RUNS: dict[str, dict[str, Any]] = {
     "ppo_halfcheetah": {
         "make_env": _halfcheetah,
         "n_envs": 16,
         "algorithm": lambda cls, env: cls("MlpPolicy", env, n_steps=64, batch_size=256, n_epochs=1, seed=0, device="cpu"),
         "timesteps": 65_536,
-        "worker_side": True,
+        "worker_side": clusterenv_sb3.PPO,
     },
     "ppo_pong": {
         "make_env": _pong,
         "n_envs": 16,
         "algorithm": lambda cls, env: cls("CnnPolicy", env, n_steps=128, batch_size=256, n_epochs=1, seed=0, device="cpu"),
         "timesteps": 16_384,
-        "worker_side": False,  # the workers' policy copy would need VecFrameStack, which runs in the learner
+        "worker_side": None,  # the workers' policy copy would need VecFrameStack, which runs in the learner
     },
     "sac_halfcheetah": {
         "make_env": _halfcheetah,
         "n_envs": 4,
         "algorithm": lambda cls, env: cls("MlpPolicy", env, learning_starts=1_000, gradient_steps=-1, seed=0, device="cpu"),
         "timesteps": 5_000,
-        "worker_side": False,  # SAC with worker-side actors: not built yet
+        "worker_side": clusterenv_sb3.SAC,
     },
 }
 
@@ -139,9 +139,11 @@ def main() -> None:
         configs: list[tuple[str, type, dict, type, dict]] = [
             (vec_name, cls, kwargs, algorithm, {}) for vec_name, (cls, kwargs) in VEC_ENVS.items()
         ]
-        if run["worker_side"]:
-            configs.append(("clusterenv_sb3.PPO", ClusterVecEnv, {}, clusterenv_sb3.PPO, {}))
-            configs.append(("clusterenv_sb3.PPO, overlap", ClusterVecEnv, {}, clusterenv_sb3.PPO, {"overlap_collection": True}))
+        worker_side = run["worker_side"]
+        if worker_side is not None:
+            label = f"clusterenv_sb3.{worker_side.__name__}"
+            configs.append((label, ClusterVecEnv, {}, worker_side, {}))
+            configs.append((f"{label}, overlap", ClusterVecEnv, {}, worker_side, {"overlap_collection": True}))
         rows = []
         for vec_name, cls, kwargs, algorithm_cls, extra in configs:
             row = measure(run, vec_name, cls, kwargs, algorithm_cls, **extra)

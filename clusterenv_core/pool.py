@@ -274,7 +274,9 @@ class EnvPool(DeprecatedPoolMethods):
             raise ClusterEnvError("step_wait called without step_async")
         restarter = self._restarter
         try:
-            results = self._gather(sorted(self._awaiting), "step", step=True)
+            # The last worker is the last to get its step and, with no spin, the last to finish: waiting
+            # for it first finds the others' replies in, one wake-up instead of one per worker.
+            results = self._gather(sorted(self._awaiting, reverse=True), "step", step=True)
             if restarter is not None:
                 results.update(restarter.replace_lost())
         finally:
@@ -458,7 +460,8 @@ class EnvPool(DeprecatedPoolMethods):
         timeout: float | None = None,
         on_reply: Callable[[int], None] | None = None,
     ) -> dict[int, Any]:
-        """Every listed worker's reply result; the first remote error is raised once all have answered.
+        """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
+        first env) is raised once all have answered.
 
         Rows that follow a reply (see :mod:`clusterenv_core.protocol`) land in the buffers first;
         ``on_reply(worker)`` runs after each successful reply (to receive arrays that follow it).
@@ -466,7 +469,7 @@ class EnvPool(DeprecatedPoolMethods):
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
         results: dict[int, Any] = {}
-        first_error: EnvError | None = None
+        first_error: EnvError | None = None  # of the lowest-numbered worker that failed
         for worker in workers:
             request_type = self._awaiting.get(worker)
             try:
@@ -479,7 +482,7 @@ class EnvPool(DeprecatedPoolMethods):
                 continue
             self._awaiting.pop(worker, None)
             if status == ERROR:
-                if first_error is None:
+                if first_error is None or worker < first_error.worker_index:
                     error_class = EnvAttributeError if result.exc_type == "builtins.AttributeError" else EnvError
                     operation = result.operation if result.operation != "step" else what
                     first_error = error_class(

@@ -48,16 +48,16 @@ class ClusterVecEnv(VecEnv):
     def step_wait(self) -> VecEnvStepReturn:
         result = self.pool.step_wait()
         dones = result.terminated | result.truncated
-        infos: list[dict[str, Any]] = []
-        # Python lists: indexing them per env is much cheaper than indexing numpy arrays.
-        terminated, truncated = result.terminated.tolist(), result.truncated.tolist()
-        for index in range(self.num_envs):
-            info = result.infos.get(index, {})
-            info["TimeLimit.truncated"] = truncated[index] and not terminated[index]
-            if terminated[index] or truncated[index]:
-                info["terminal_observation"] = result.final_observation(index)
-                self.reset_infos[index] = result.reset_infos.get(index, {})
-            infos.append(info)
+        # DummyVecEnv's info per env: the env's own keys, then TimeLimit.truncated, then the
+        # terminal observation of a finished episode. Built per kind of env, not per env and key.
+        timeouts = (result.truncated & ~result.terminated).tolist()
+        infos: list[dict[str, Any]] = [{"TimeLimit.truncated": timeout} for timeout in timeouts]
+        for index, info in result.infos.items():
+            info["TimeLimit.truncated"] = timeouts[index]
+            infos[index] = info
+        for index in np.flatnonzero(dones).tolist():
+            infos[index]["terminal_observation"] = result.final_observation(index)
+            self.reset_infos[index] = result.reset_infos.get(index, {})
         # DummyVecEnv keeps rewards in a float32 buffer.
         return self._copy_obs(result.obs), result.rewards.astype(np.float32), dones, infos
 

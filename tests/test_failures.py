@@ -74,6 +74,20 @@ def test_env_exception_names_env_worker_and_remote_traceback(no_leaks):
     pool.close()
 
 
+def test_envs_failing_together_report_the_first_env(no_leaks):
+    """Replies are read last worker first; the error raised is still the lowest env's."""
+    env_fns = [CARTPOLE] * 6
+    env_fns[1] = env_fns[4] = functools.partial(_wrapped, FailingEnv, fail_at=1)
+    pool = EnvPool(env_fns, num_workers=3)
+    pool.reset(seeds=list(range(6)))
+    with pytest.raises(EnvError) as caught:
+        _step_zeros(pool)
+    assert (caught.value.env_index, caught.value.worker_index) == (1, 0)
+    pool.reset()
+    _step_zeros(pool)  # every worker's reply was read: the pool is in step
+    pool.close()
+
+
 def test_env_constructor_failure_names_the_index(no_leaks):
     def broken():
         raise RuntimeError("no such simulator")
