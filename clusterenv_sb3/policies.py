@@ -10,7 +10,7 @@ carry the optimizer (nor the last distribution SB3 caches on the policy): only t
   policy's ``forward`` (actions, values, log-probabilities) and adds the actions the envs receive,
   clipped to the Box bounds or unscaled as SB3's ``collect_rollouts`` does. For SB3's
   ``MlpPolicy`` with a Gaussian or categorical distribution it runs :class:`_MlpForward`, the same
-  operations without SB3's module and distribution objects (a third of the time, same numbers).
+  operations without SB3's module and distribution objects (a third less time, same numbers).
 - :class:`QNetworkDeployable` wraps a DQN ``QNetwork``: ``act(obs, epsilon=...)`` is
   epsilon-greedy per env, random draws from the worker's torch generator (seeded per worker by
   ``EnvPool.deploy(seed=...)``).
@@ -166,11 +166,11 @@ _ACTIVATIONS = {th.nn.Tanh: th.tanh, th.nn.ReLU: th.relu}
 def _mlp_layers(network: th.nn.Module) -> list | None:
     """``network`` (an ``nn.Sequential`` of ``Linear`` layers and Tanh/ReLU) as its layers'
     parameters and functions, or ``None`` for anything else."""
-    if not isinstance(network, th.nn.Sequential) or network._forward_hooks or network._forward_pre_hooks:
+    if not isinstance(network, th.nn.Sequential):
         return None
     layers = []
     for module in network:
-        if type(module) is th.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+        if type(module) is th.nn.Linear:
             layers.append((module.weight, module.bias))
         elif type(module) in _ACTIVATIONS and not getattr(module, "inplace", False):
             layers.append(_ACTIVATIONS[type(module)])
@@ -189,8 +189,9 @@ class _MlpForward:
     """SB3's ``ActorCriticPolicy.forward`` for an ``MlpPolicy`` (flattened Box observations, an
     ``MlpExtractor`` of Linear/Tanh/ReLU layers, a diagonal Gaussian or categorical distribution),
     operation for operation and drawing the same random numbers, without SB3's module calls and
-    distribution objects: 55 instead of 165 µs for 8 HalfCheetah observations, on the workers'
-    critical path. The parameters are the policy's own (weights load into them in place).
+    distribution objects: ``act`` on 8 observations takes 118 instead of 176 µs for HalfCheetah
+    (Gaussian) and 136 instead of 208 µs for CartPole (categorical), on the workers' critical path.
+    The parameters are the policy's own (weights load into them in place).
     """
 
     def __init__(self, pi_layers: list, vf_layers: list, gaussian: bool) -> None:
@@ -206,7 +207,7 @@ class _MlpForward:
             policy_class.forward is ActorCriticPolicy.forward
             and policy_class.extract_features is ActorCriticPolicy.extract_features
             and policy_class._get_action_dist_from_latent is ActorCriticPolicy._get_action_dist_from_latent
-            and not (policy._forward_hooks or policy._forward_pre_hooks)
+            and not any(module._forward_hooks or module._forward_pre_hooks for module in policy.modules())
             and isinstance(policy.observation_space, spaces.Box)
             and type(policy.features_extractor) is FlattenExtractor
             and (policy.share_features_extractor or type(policy.vf_features_extractor) is FlattenExtractor)
