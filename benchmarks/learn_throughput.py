@@ -1,6 +1,6 @@
 """Whole SB3 ``learn()`` calls with each vectorizer: env steps per second, and where the time goes.
 
-    python benchmarks/learn_throughput.py [--runs ppo_halfcheetah ppo_pong sac_halfcheetah]
+    python benchmarks/learn_throughput.py [--runs ppo_halfcheetah ppo_pong sac_halfcheetah] [--repeats 1]
                                           [--json benchmarks/results/learn_throughput.json]
 
 What a user sees end to end, policy updates included. Runs (defaults follow rl-baselines3-zoo's
@@ -128,6 +128,7 @@ def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, a
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (the median is reported)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "learn_throughput.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -144,16 +145,24 @@ def main() -> None:
             label = f"clusterenv_sb3.{worker_side.__name__}"
             configs.append((label, ClusterVecEnv, {}, worker_side, {}))
             configs.append((f"{label}, overlap", ClusterVecEnv, {}, worker_side, {"overlap_collection": True}))
+        # Repeats go round all configurations in turn, so a slow spell of the machine hits each alike;
+        # the run with the median env steps/s of each configuration is reported.
+        measured: dict[str, list[dict]] = {config[0]: [] for config in configs}
+        for _ in range(args.repeats):
+            for vec_name, cls, kwargs, algorithm_cls, extra in configs:
+                row = measure(run, vec_name, cls, kwargs, algorithm_cls, **extra)
+                row["run"] = name
+                measured[vec_name].append(row)
+                print(
+                    f"{name:16s} {vec_name:30s} {row['steps_per_s']:7.0f} env steps/s  learn {row['learn_s']:6.1f} s"
+                    f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})",
+                    flush=True,
+                )
         rows = []
-        for vec_name, cls, kwargs, algorithm_cls, extra in configs:
-            row = measure(run, vec_name, cls, kwargs, algorithm_cls, **extra)
-            row["run"] = name
+        for repeats in measured.values():
+            row = sorted(repeats, key=lambda entry: entry["steps_per_s"])[len(repeats) // 2]
+            row["repeats"] = [entry["steps_per_s"] for entry in repeats]
             rows.append(row)
-            print(
-                f"{name:16s} {vec_name:30s} {row['steps_per_s']:7.0f} env steps/s  learn {row['learn_s']:6.1f} s"
-                f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})",
-                flush=True,
-            )
         dummy = rows[0]["steps_per_s"]
         for row in rows:
             row["vs_dummy"] = row["steps_per_s"] / dummy

@@ -22,9 +22,13 @@ use in the pool; backends stay as they are.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
 
 STEP = "step"
 """The step request: every env of the block steps with its action row."""
@@ -195,10 +199,33 @@ StepParts = dict
 OK_NONE = (OK, None)
 
 
+# numpy scalars (the values of MuJoCo's infos, among others) pickle through numpy's own reduce at
+# about 2 µs each: 58 µs for one step of 8 HalfCheetah infos, 3.5 ms for a 64-step rollout segment.
+# Rebuilt from their Python value they cost a third of that, and come back as the same type with the
+# same value: integers and float64 hold theirs exactly, float16/float32 widen to a double exactly.
+_SCALAR_VALUES: dict[type, type] = {np.bool_: bool, np.float16: float, np.float32: float, np.float64: float}
+_SCALAR_VALUES.update(dict.fromkeys(
+    (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64), int
+))
+
+
+def _reduce_scalar(value: np.generic) -> tuple:
+    scalar_type = type(value)
+    return scalar_type, (_SCALAR_VALUES[scalar_type](value),)
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = {**copyreg.dispatch_table, **dict.fromkeys(_SCALAR_VALUES, _reduce_scalar)}
+
+
 def dumps(obj: Any) -> bytes:
-    """Pickle with the standard pickler, falling back to cloudpickle for closures and lambdas."""
+    """Pickle (numpy scalars by value, see above), falling back to cloudpickle for closures and lambdas."""
+    if type(obj) is tuple and len(obj) == 2 and obj[1] is None:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # (OK, None): no pickler to set up
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return buffer.getvalue()
     except Exception:
         import cloudpickle
 
