@@ -51,7 +51,9 @@ def run(env_id: str, steps: int, seed: int, mode: str, threshold: float | None, 
         model.learn(steps, callback=callback)
         seconds = time.monotonic() - started
         training = float(np.mean([info["r"] for info in list(model.ep_info_buffer)[-20:]]))
-        evaluation, _ = evaluate_policy(model, gym.make(env_id), n_eval_episodes=10, deterministic=True, warn=False)
+        eval_env = gym.make(env_id)
+        eval_env.reset(seed=10_000 + seed)  # evaluate_policy's resets continue this seeded generator
+        evaluation, _ = evaluate_policy(model, eval_env, n_eval_episodes=10, deterministic=True, warn=False)
         summary = model.policy_sync.summary()
     finally:
         env.close()

@@ -172,3 +172,22 @@ def test_make_from_env_id_and_partial_reset():
         second = pool.reset(seeds=[None, 9, None, None], mask=mask).obs
         assert np.array_equal(second[~mask], first[~mask])
         assert not np.array_equal(second[1], first[1])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.float64(1.5), np.float64("nan"), np.float64(-0.0), np.float32(-0.1), np.float32("inf"), np.float16(0.3),
+        np.int64(-(2**63)), np.uint64(2**64 - 1), np.int32(7), np.int16(-3), np.int8(-5), np.uint8(255),
+        np.bool_(True), np.bool_(False),
+    ],
+    ids=repr,
+)
+def test_wire_pickles_numpy_scalars_by_value_exactly(value):
+    import pickle
+
+    from clusterenv_core.protocol import dumps
+
+    back = pickle.loads(dumps(("ok", {"infos": {0: {"key": value, "list": [value]}}})))[1]["infos"][0]
+    for got in (back["key"], back["list"][0]):
+        assert type(got) is type(value) and got.tobytes() == value.tobytes()
