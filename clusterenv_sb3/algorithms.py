@@ -431,6 +431,12 @@ class OffPolicyWorkerInferenceMixin(WorkerInferenceMixin):
     """Off-policy collection (DQN, SAC, TD3): segments of ``train_freq`` steps stored in SB3's replay
     buffer, transition by transition, as SB3's ``collect_rollouts`` stores them."""
 
+    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # the SB3 algorithm's constructor
+        self._init_worker_inference(overlap_collection)
+        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model (not when loading)
+            self._segment_request()  # refuses what the workers cannot do now rather than at learn()
+
     def _segment_steps(self) -> int:
         train_freq = self.train_freq
         if not isinstance(train_freq, TrainFreq) or train_freq.unit != TrainFrequencyUnit.STEP:
@@ -503,12 +509,6 @@ class DQN(OffPolicyWorkerInferenceMixin, sb3.DQN):
     ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`.
     """
 
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_worker_inference(overlap_collection)
-        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model
-            self._segment_request()  # refuses train_freq in episodes now rather than at learn()
-
     def _acting_policy(self) -> th.nn.Module:
         return self.policy.q_net
 
@@ -537,15 +537,8 @@ def _noise_parameters(action_noise: Any, action_dim: int) -> tuple[np.ndarray, n
 
 
 class _ActorWorkerInferenceMixin(OffPolicyWorkerInferenceMixin):
-    """SAC and TD3: the actor acts on the workers; warm-up and exploration noise travel as the context."""
-
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.action_space, spaces.Box):
-            raise ValueError(f"{self._algorithm_name()} needs a Box action space, got {self.action_space}")
-        self._init_worker_inference(overlap_collection)
-        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model
-            self._segment_request()  # refuses train_freq in episodes and noise the workers cannot draw, now
+    """SAC and TD3 (whose constructors refuse action spaces other than Box): the actor acts on the
+    workers; warm-up and exploration noise travel as the context."""
 
     def _acting_policy(self) -> th.nn.Module:
         return self.policy.actor

@@ -186,6 +186,33 @@ def test_noise_the_workers_cannot_draw_and_other_spaces_are_refused():
             SAC("MlpPolicy", env, train_freq=(1, "episode"))
     finally:
         env.close()
+    discrete = _cluster_env("CartPole-v1", n_envs=2)
+    try:
+        with pytest.raises(AssertionError, match="only supports"):  # SB3's own check, before ours run
+            SAC("MlpPolicy", discrete)
+    finally:
+        discrete.close()
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_saved_model_loads_without_an_env_and_acts_like_sb3s(name, tmp_path):
+    """As with SB3's own classes, a saved model loads without an env (to predict) and with one (to
+    train on)."""
+    ours_class, _ = ALGORITHMS[name]
+    env = _cluster_env("Pendulum-v1", n_envs=2)
+    try:
+        model = ours_class("MlpPolicy", env, seed=0, learning_starts=20, train_freq=8, gradient_steps=1,
+                           policy_kwargs={"net_arch": [16]})
+        model.learn(64)
+        model.save(tmp_path / "model")
+        obs = np.random.default_rng(0).uniform(-1, 1, (5, 3)).astype(np.float32)
+        loaded = ours_class.load(tmp_path / "model", device="cpu")
+        np.testing.assert_array_equal(loaded.predict(obs, deterministic=True)[0], model.predict(obs, deterministic=True)[0])
+        again = ours_class.load(tmp_path / "model", env=env, device="cpu")
+        again.learn(32, reset_num_timesteps=False)
+        assert again.num_timesteps == 96
+    finally:
+        env.close()
 
 
 # A random policy returns about -1200 on Pendulum (the mean of 10 episodes within about +-100). With
