@@ -50,7 +50,8 @@ def _to_device(obs: Any, device: th.device) -> Any:
 
 
 class _Deployable(th.nn.Module):
-    """Shared copying rules: a deep copy leaves out the objects :meth:`_not_copied` names."""
+    """Shared copying rules: a deep copy leaves out the objects :meth:`_not_copied` names (they
+    become ``None``) and, as pickling does, the attributes ``__getstate__`` drops."""
 
     def _not_copied(self) -> list:
         return []
@@ -62,7 +63,7 @@ class _Deployable(th.nn.Module):
                 memo.setdefault(id(obj), None)
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        for key, value in self.__dict__.items():
+        for key, value in self.__getstate__().items():  # what pickling keeps, so both leave out the same
             new.__dict__[key] = copy.deepcopy(value, memo)
         return new
 
@@ -110,14 +111,10 @@ class ActorCriticDeployable(_Deployable):
         return self.policy
 
     def _not_copied(self) -> list:
-        return [
-            getattr(self.policy, "optimizer", None),
-            getattr(self.policy.action_dist, "distribution", None),
-            self.__dict__.get("_mlp_forward"),
-        ]
+        return [getattr(self.policy, "optimizer", None), getattr(self.policy.action_dist, "distribution", None)]
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_mlp_forward", None)  # rebuilt where it runs, around that copy's parameters
         return state
 

@@ -268,8 +268,12 @@ def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwarg
     """The shipped copy runs _MlpForward: the same actions, values and log-probs as SB3's forward,
     exactly, for the same seed, also with weights loaded into it after shipping."""
     policy = _ppo_policy(action_space, **policy_kwargs)
-    shipped = pickle.loads(cloudpickle.dumps(ActorCriticDeployable(policy).deployable_copy()))
     obs = th.rand(8, 3) * 2 - 1
+    learner = ActorCriticDeployable(policy)
+    learner.act(obs)  # its lean forward holds the learner's parameters: never copied along
+    copied = learner.deployable_copy()
+    assert "_mlp_forward" in learner.__dict__ and "_mlp_forward" not in copied.__dict__
+    shipped = pickle.loads(cloudpickle.dumps(copied))
     shipped.act(obs)
     assert isinstance(shipped.__dict__["_mlp_forward"], _MlpForward)
     with th.no_grad():
