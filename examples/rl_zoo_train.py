@@ -1,0 +1,19 @@
+"""RL Zoo's training script with its envs on ClusterEnv workers.
+
+    python examples/rl_zoo_train.py --algo ppo --env CartPole-v1    # any `python -m rl_zoo3.train` arguments
+
+RL Zoo builds its training and evaluation envs with ``make_vec_env(..., vec_env_cls=...)``, taking
+``ExperimentManager.default_vec_env_cls`` over ``--vec-env dummy|subproc`` when it is set: setting it
+is the one changed line. For ClusterEnv's options, set a partial instead, e.g.
+``functools.partial(ClusterVecEnv, backend="mpi")``. Hyperparameters, wrappers, frame stacking,
+``VecNormalize``, evaluation and saving stay RL Zoo's (``pip install rl_zoo3``).
+"""
+
+from rl_zoo3.exp_manager import ExperimentManager
+from rl_zoo3.train import train
+
+from clusterenv_sb3 import ClusterVecEnv
+
+if __name__ == "__main__":
+    ExperimentManager.default_vec_env_cls = ClusterVecEnv  # the one changed line
+    train()
