@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -26,13 +27,20 @@ class ClusterVecEnv(VecEnv):
     :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
         ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
         :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
+    :param start_method: ``SubprocVecEnv``'s keyword, accepted so that code passing it runs unchanged.
+        Workers are always fresh interpreters that receive the cloudpickled factories, whatever the
+        method: what ``"spawn"`` or ``"forkserver"`` give ``SubprocVecEnv``.
 
     A replaced env or worker ends its episodes as truncated (``TimeLimit.truncated`` is ``True`` and
     ``terminal_observation`` is the last observation before the failure), with the reason under the
     info key ``"clusterenv_restart"``; ``self.pool.restarts`` counts restarts.
     """
 
-    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], **options: Any) -> None:
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], start_method: str | None = None, **options: Any) -> None:
+        if start_method is not None and start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"start_method must be one of {multiprocessing.get_all_start_methods()} or None, got {start_method!r}"
+            )
         self.pool = EnvPool.from_options(env_fns, autoreset_mode="same_step", **options)
         try:
             super().__init__(self.pool.num_envs, self.pool.observation_space, self.pool.action_space)

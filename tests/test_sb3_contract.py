@@ -171,3 +171,16 @@ def test_ppo_parameters_identical_to_dummy_vec_env():
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name
+
+
+def test_subproc_vec_env_keywords_run_unchanged():
+    # Code switching from SubprocVecEnv keeps its vec_env_kwargs; a method that does not exist is refused.
+    venv = make_vec_env("CartPole-v1", n_envs=2, seed=0, vec_env_cls=ClusterVecEnv, vec_env_kwargs={"start_method": "fork"})
+    expected = make_vec_env("CartPole-v1", n_envs=2, seed=0, vec_env_cls=DummyVecEnv)
+    try:
+        assert_same(venv.reset(), expected.reset())
+    finally:
+        venv.close()
+        expected.close()
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        ClusterVecEnv([functools.partial(gym.make, "CartPole-v1")], start_method="telepathy")
