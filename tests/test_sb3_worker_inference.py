@@ -472,7 +472,9 @@ DQN_RETURN_BAR = 100
 
 
 def _eval_return(model) -> float:
-    mean, _ = evaluate_policy(model, gym.make("CartPole-v1"), n_eval_episodes=10, warn=False)
+    evaluation = DummyVecEnv([lambda: gym.make("CartPole-v1")])
+    evaluation.seed(0)  # the same start states every run
+    mean, _ = evaluate_policy(model, evaluation, n_eval_episodes=10, warn=False)
     return mean
 
 
