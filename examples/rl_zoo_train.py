@@ -8,9 +8,8 @@ is the one changed line. For ClusterEnv's options, set a partial instead, e.g.
 ``functools.partial(ClusterVecEnv, backend="mpi")`` with ``python examples/rl_zoo_train.py ...``,
 which spawns the ranks (under ``mpiexec`` a job serves one pool, and RL Zoo builds two: training and
 evaluation); leave ``num_workers`` to its default, since the evaluation env is a single env and a
-pool has at most one worker per env. Hyperparameters,
-wrappers, frame stacking, ``VecNormalize``, evaluation and saving stay RL Zoo's
-(``pip install rl_zoo3``).
+pool has at most one worker per env. Hyperparameters, wrappers, frame stacking, ``VecNormalize``,
+evaluation and saving stay RL Zoo's (``pip install rl_zoo3``).
 """
 
 from rl_zoo3.exp_manager import ExperimentManager
