@@ -381,3 +381,32 @@ def test_is_a_vector_env_usable_by_vector_wrappers():
     finally:
         cluster.close()
         sync.close()
+
+
+# Gymnasium 1.x's vector wrappers, each over ClusterVectorEnv and over SyncVectorEnv.
+VECTOR_WRAPPERS = {
+    "NormalizeObservation": ("CartPole-v1", lambda env: gym.wrappers.vector.NormalizeObservation(env)),
+    "NormalizeReward": ("CartPole-v1", lambda env: gym.wrappers.vector.NormalizeReward(env)),
+    "ClipReward": ("CartPole-v1", lambda env: gym.wrappers.vector.ClipReward(env, -0.5, 0.5)),
+    "DictInfoToList": ("CartPole-v1", lambda env: gym.wrappers.vector.DictInfoToList(env)),
+    "FlattenObservation": ("CartPole-v1", lambda env: gym.wrappers.vector.FlattenObservation(env)),
+    "RescaleAction+ClipAction": (
+        "Pendulum-v1", lambda env: gym.wrappers.vector.ClipAction(gym.wrappers.vector.RescaleAction(env, -1.0, 1.0))
+    ),
+}
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="gymnasium.wrappers.vector is gymnasium 1.x's")
+@pytest.mark.parametrize("name", list(VECTOR_WRAPPERS))
+def test_vector_wrappers_give_what_they_give_over_sync_vector_env(name):
+    env_id, wrap = VECTOR_WRAPPERS[name]
+    cluster, sync = (wrap(env) for env in make_pair([functools.partial(gym.make, env_id)] * 2))
+    try:
+        assert_same_results(cluster.reset(seed=5), sync.reset(seed=5), "reset")
+        sync.action_space.seed(5)
+        for step in range(250):  # past CartPole's first episodes and Pendulum's 200-step truncation
+            actions = sync.action_space.sample()
+            assert_same_results(cluster.step(actions), sync.step(actions), f"step {step}")
+    finally:
+        cluster.close()
+        sync.close()
