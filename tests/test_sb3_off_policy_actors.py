@@ -6,14 +6,12 @@ from __future__ import annotations
 import copy
 import math
 
-import gymnasium as gym
 import numpy as np
 import pytest
 
 pytest.importorskip("stable_baselines3")
 import stable_baselines3 as sb3  # noqa: E402
 import torch as th  # noqa: E402
-from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
 from stable_baselines3.common.noise import NormalActionNoise, OrnsteinUhlenbeckActionNoise  # noqa: E402
 
 from clusterenv_core.aaps import PolicySync, divergence  # noqa: E402
@@ -23,6 +21,7 @@ from tests.test_sb3_worker_inference import (  # noqa: E402
     _assert_same_collection,
     _cluster_env,
     _dummy_env,
+    _eval_return,
     _first_segments,
     _recording_logger,
     one_torch_thread,  # noqa: F401 (an autouse fixture)
@@ -236,10 +235,7 @@ def test_learns_pendulum(name):
             policy_kwargs={"net_arch": [64, 64]}, **noise,
         )
         model.learn(LEARN_STEPS)
-        evaluation = sb3.common.vec_env.DummyVecEnv([lambda: gym.make("Pendulum-v1")])
-        evaluation.seed(0)  # the same 10 start states every run: unseeded, the mean moved by +-150
-        mean, _ = evaluate_policy(model, evaluation, n_eval_episodes=10, warn=False)
-        print(f"{name} mean return {mean:.1f}")
+        mean = _eval_return(model, "Pendulum-v1")
         assert mean > LEARN_BAR, mean
         # One train() (of 16 gradient steps) after each 16-step collection past learning_starts, as SB3 counts.
         trains = math.ceil(LEARN_STEPS / 16) - 1000 // 16
