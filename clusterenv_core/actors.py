@@ -10,12 +10,10 @@ workers through the pool's messaging, so timeouts and errors are the pool's.
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import numpy as np
 
 from clusterenv_core import protocol
@@ -55,7 +53,7 @@ class WorkerActors:
             if not callable(getattr(policy, method, None)):
                 raise TypeError(f"the policy must have an {method}() method (see clusterenv_core.inference)")
         try:
-            policy_bytes = cloudpickle.dumps(policy, protocol=pickle.HIGHEST_PROTOCOL)
+            policy_bytes = protocol.dumps_code(policy)
         except Exception as error:
             raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
         pool._drain()

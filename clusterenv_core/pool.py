@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import numpy as np
 
 from clusterenv_core import protocol, registry
@@ -562,7 +560,7 @@ def _pickle_factories(env_fns: list, block: range) -> list[bytes]:
     pickled = []
     for index in block:
         try:
-            pickled.append(cloudpickle.dumps(env_fns[index], protocol=pickle.HIGHEST_PROTOCOL))
+            pickled.append(protocol.dumps_code(env_fns[index]))
         except Exception as error:
             raise ValueError(
                 f"env_fns[{index}] cannot be pickled ({type(error).__name__}: {error}); "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -219,7 +220,7 @@ class _Pickler(pickle.Pickler):
 
 
 def dumps(obj: Any) -> bytes:
-    """Pickle (numpy scalars by value, see above), falling back to cloudpickle for closures and lambdas."""
+    """Pickle (numpy scalars by value, see above), falling back to :func:`dumps_code` for closures and lambdas."""
     if type(obj) is tuple and len(obj) == 2 and obj[1] is None:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # (OK, None): no pickler to set up
     try:
@@ -227,6 +228,20 @@ def dumps(obj: Any) -> bytes:
         _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return buffer.getvalue()
     except Exception:
-        import cloudpickle
+        return dumps_code(obj)
 
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+def dumps_code(obj: Any) -> bytes:
+    """Cloudpickle what carries code to the workers: env factories, registry specs, policies.
+
+    Workers cannot import the learner's script, so cloudpickle sends what its ``__main__`` defines
+    by value. A learner that runs in a ``multiprocessing`` spawn or forkserver child (a pool of
+    training runs, say) has its script as ``__mp_main__``, which cloudpickle would send by
+    reference, to workers that have no such module: that module goes by value too.
+    """
+    import cloudpickle
+
+    script = sys.modules.get("__mp_main__")
+    if script is not None and script.__name__ == "__mp_main__":
+        cloudpickle.register_pickle_by_value(script)
+    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

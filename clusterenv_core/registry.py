@@ -26,7 +26,7 @@ import pickle
 import sys
 from typing import Any, NamedTuple
 
-import cloudpickle
+from clusterenv_core.protocol import dumps_code
 
 _MAIN = "__main__"
 
@@ -50,7 +50,7 @@ def snapshot() -> list[ShippedSpec]:
     shipped = []
     for env_id, spec in list(gymnasium.registry.items()):
         try:
-            pickled = cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+            pickled = dumps_code(spec)
             main_attribute = _main_attribute(spec)
         except Exception as error:
             raise ValueError(
@@ -95,7 +95,7 @@ def _main_attribute(spec: Any) -> bytes | None:
     module, name = entry_point.split(":", 1)
     if module != _MAIN or not hasattr(sys.modules[_MAIN], name):
         return None
-    return cloudpickle.dumps((name, getattr(sys.modules[_MAIN], name)), protocol=pickle.HIGHEST_PROTOCOL)
+    return dumps_code((name, getattr(sys.modules[_MAIN], name)))
 
 
 def _provide_main_attribute(spec: Any, name: str, value: Any) -> Any:

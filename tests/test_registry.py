@@ -46,6 +46,12 @@ def test_script_registrations_reach_local_workers():
         assert f"OK {check}" in output, output
 
 
+def test_script_running_as_a_spawn_or_forkserver_child_reaches_local_workers():
+    # A multiprocessing child has the script as __mp_main__, which cloudpickle would send by reference.
+    output = run_script("local", "in_child")
+    assert "OK in_child" in output, output
+
+
 def test_ids_an_env_package_registers_on_import_build_without_warnings():
     pytest.importorskip("ale_py")
     output = run_script("local", "ale")

@@ -7,7 +7,8 @@ Checks, each against the single-process baseline: ``main_class`` (entry point a 
 script, with kwargs and max_episode_steps), ``module_string`` (``"user_envs:ModuleEnv"``) and
 ``main_string`` (``"__main__:MainEnv"``) through SB3's make_vec_env; ``vector`` (all three with
 ClusterVectorEnv against SyncVectorEnv); ``override`` (this script re-registers CartPole-v1 with
-another time limit); ``ale`` (ids ale_py registers on import).
+another time limit); ``ale`` (ids ale_py registers on import); ``in_child`` (``vector`` and a
+factory of this script's class from spawn and forkserver children of this script).
 """
 
 from __future__ import annotations
@@ -125,6 +126,44 @@ def ale(backend: str) -> None:
     sync.close()
 
 
+def _checks_in_child(backend: str, outcome) -> None:
+    try:
+        from clusterenv_cleanrl import ClusterVectorEnv
+
+        vector(backend)
+        # A factory of this script's class, not through the registry.
+        env_fns = [functools.partial(MainEnv, 3)] * 2
+        cluster = ClusterVectorEnv(env_fns, backend=backend, num_workers=2)
+        sync = gym.vector.SyncVectorEnv(env_fns)
+        with cluster:
+            assert_same(cluster.reset(seed=3), sync.reset(seed=3), "reset")
+            for step in range(20):
+                actions = sync.action_space.sample()
+                assert_same(cluster.step(actions), sync.step(actions), f"step {step}")
+        sync.close()
+        outcome.put("done")
+    except BaseException:
+        import traceback
+
+        outcome.put(traceback.format_exc())
+
+
+def in_child(backend: str) -> None:
+    """The ``vector`` checks and a factory of this script's class, from a spawn and a forkserver
+    child of this script (a ``multiprocessing`` pool of training runs): there the script is
+    ``__mp_main__``, not ``__main__``."""
+    import multiprocessing
+
+    for method in ("spawn", "forkserver"):
+        context = multiprocessing.get_context(method)
+        outcome = context.Queue()
+        child = context.Process(target=_checks_in_child, args=(backend, outcome))
+        child.start()
+        result = outcome.get(timeout=240)
+        child.join(timeout=60)
+        assert result == "done" and child.exitcode == 0, f"{method} child (exit code {child.exitcode}):\n{result}"
+
+
 CHECKS = {
     "main_class": functools.partial(sb3_side_by_side, "UserMain-v0"),
     "module_string": functools.partial(sb3_side_by_side, "UserModule-v0"),
@@ -132,6 +171,7 @@ CHECKS = {
     "vector": vector,
     "override": override,
     "ale": ale,
+    "in_child": in_child,
 }
 
 if __name__ == "__main__":
