@@ -270,8 +270,8 @@ def main() -> None:
     args = parser.parse_args()
 
     # Every measurement runs in a fresh process forked from a server that has only imported the
-    # libraries: one long-lived process that has run other vectorizers (their imports, MPI, freed
-    # memory) measured ClusterVecEnv 0.96x DummyVecEnv on HalfCheetah-16 where fresh processes gave 1.39x.
+    # libraries: one long-lived process that had run every other vectorizer before measured
+    # ClusterVecEnv 0.96x DummyVecEnv on HalfCheetah-16, where a run of those two alone gave 1.39x.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["gymnasium", "numpy", "stable_baselines3", "clusterenv_sb3"])
     results = []
