@@ -74,11 +74,10 @@ def sb3_side_by_side(env_id: str, backend: str, steps: int = 200) -> None:
         dummy.close()
 
 
-def vector_side_by_side(env_id: str, backend: str, steps: int = 200) -> None:
-    """ClusterVectorEnv against SyncVectorEnv on ``gym.make(env_id)``: identical results and specs."""
+def vector_side_by_side(env_fns: list, backend: str, steps: int = 200) -> None:
+    """ClusterVectorEnv against SyncVectorEnv on ``env_fns``: identical results and specs."""
     from clusterenv_cleanrl import ClusterVectorEnv
 
-    env_fns = [functools.partial(gym.make, env_id)] * 4
     cluster = ClusterVectorEnv(env_fns, backend=backend, num_workers=2)
     sync = gym.vector.SyncVectorEnv(env_fns)
     with cluster:
@@ -95,15 +94,25 @@ def vector_side_by_side(env_id: str, backend: str, steps: int = 200) -> None:
     sync.close()
 
 
+def factories_of(env_id: str) -> list:
+    """Four factories of ``gym.make(env_id)``."""
+    return [functools.partial(gym.make, env_id)] * 4
+
+
+def limited_main_env() -> gym.Env:
+    """A factory of this script, not through the registry: MainEnv under a time limit."""
+    return gym.wrappers.TimeLimit(MainEnv(3), max_episode_steps=6)
+
+
 def vector(backend: str) -> None:
     for env_id in ("UserMain-v0", "UserModule-v0", "UserMainString-v0"):
-        vector_side_by_side(env_id, backend)
+        vector_side_by_side(factories_of(env_id), backend)
 
 
 def override(backend: str) -> None:
     spec = gym.spec("CartPole-v1")
     gym.register("CartPole-v1", entry_point=spec.entry_point, max_episode_steps=13, reward_threshold=9.0)
-    vector_side_by_side("CartPole-v1", backend)
+    vector_side_by_side(factories_of("CartPole-v1"), backend)
 
 
 def ale(backend: str) -> None:
@@ -128,19 +137,8 @@ def ale(backend: str) -> None:
 
 def _checks_in_child(backend: str, outcome) -> None:
     try:
-        from clusterenv_cleanrl import ClusterVectorEnv
-
         vector(backend)
-        # A factory of this script's class, not through the registry.
-        env_fns = [functools.partial(MainEnv, 3)] * 2
-        cluster = ClusterVectorEnv(env_fns, backend=backend, num_workers=2)
-        sync = gym.vector.SyncVectorEnv(env_fns)
-        with cluster:
-            assert_same(cluster.reset(seed=3), sync.reset(seed=3), "reset")
-            for step in range(20):
-                actions = sync.action_space.sample()
-                assert_same(cluster.step(actions), sync.step(actions), f"step {step}")
-        sync.close()
+        vector_side_by_side([limited_main_env] * 4, backend)
         outcome.put("done")
     except BaseException:
         import traceback
