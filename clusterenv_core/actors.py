@@ -79,6 +79,8 @@ class WorkerActors:
         self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
         self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
         self._pending_timeout = pool.timeout
+        #: rollout_wait was interrupted with replies unread
+        self.wait_interrupted = False
 
     @property
     def num_workers(self) -> int:
@@ -147,7 +149,10 @@ class WorkerActors:
         try:
             results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout, on_reply=receive_segment)
         finally:
-            if not pool._awaiting:  # interrupted with replies unread, the rollout stays pending
+            # Interrupted (Ctrl-C) with replies unread, the rollout stays pending: rollout_wait resumes
+            # it, and any other call of the pool first finishes it.
+            self.wait_interrupted = bool(pool._awaiting)
+            if not self.wait_interrupted:
                 self._pending = None
         n_steps = region.rewards.shape[1]
         infos: list[dict[int, dict]] = [{} for _ in range(n_steps)]

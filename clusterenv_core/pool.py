@@ -158,6 +158,7 @@ class EnvPool(DeprecatedPoolMethods):
         self._awaiting: dict[int, type | None] = {}
         self._failure: ClusterEnvError | None = None
         self._stepping = False
+        self._wait_interrupted = False  # step_wait was interrupted with replies unread
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
@@ -228,7 +229,7 @@ class EnvPool(DeprecatedPoolMethods):
         :raises ValueError: wrong shape, count or values, before anything is sent
         """
         self._check_usable()
-        if self._stepping:
+        if self._stepping and not self._wait_interrupted:
             raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
         self._check_not_stepping()
         self._drain()
@@ -278,8 +279,10 @@ class EnvPool(DeprecatedPoolMethods):
             if restarter is not None:
                 results.update(restarter.replace_lost())
         finally:
-            # Interrupted (Ctrl-C) with replies unread, the step stays pending and step_wait resumes it.
+            # Interrupted (Ctrl-C) with replies unread, the step stays pending: step_wait resumes it,
+            # and any other call first finishes it (see _check_not_stepping).
             self._stepping = bool(self._awaiting or (restarter is not None and restarter.lost))
+            self._wait_interrupted = self._stepping
         infos: dict[int, dict] = {}
         reset_infos: dict[int, dict] = {}
         final_obs: dict[int, Any] = {}
@@ -523,6 +526,13 @@ class EnvPool(DeprecatedPoolMethods):
             raise ClusterEnvError(f"the pool is unusable after an earlier failure: {self._failure}") from self._failure
 
     def _check_not_stepping(self) -> None:
+        """Raise if a step, asynchronous steps or a rollout are pending. A step or rollout whose wait
+        was interrupted (Ctrl-C) is finished instead and its results dropped: after an interrupt, the
+        envs stand stepped and usable, as DummyVecEnv's and SyncVectorEnv's do."""
+        if self._stepping and self._wait_interrupted:
+            self.step_wait()
+        if self.actors is not None and self.actors.wait_interrupted:
+            self.actors.rollout_wait()
         if self._stepping:
             raise ClusterEnvError("a step is pending: call step_wait first")
         if self.batches is not None and self.batches.stepping:

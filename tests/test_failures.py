@@ -308,6 +308,64 @@ def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
     pool.close()
 
 
+def test_after_an_interrupted_step_every_call_finishes_it_first(no_leaks):
+    """Ctrl-C in a step, then a reset, a new step or an env call, as after an interrupted
+    ``learn()`` or CleanRL loop (whose ``step`` has no ``step_wait``): the interrupted step ends, its
+    results dropped, and the call goes ahead, as with DummyVecEnv and SyncVectorEnv."""
+    from tests.envs import SlowCartPole
+
+    pool = EnvPool([functools.partial(SlowCartPole, seconds=0.5)] * 2, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    for then in ("reset", "step", "call"):
+        pool.reset(seeds=[0, 1])
+        _interrupt_soon(0.1)
+        with pytest.raises(KeyboardInterrupt):
+            _step_zeros(pool)
+        if then == "reset":
+            pool.reset(seeds=[0, 1])
+            assert pool.get_attr("_elapsed_steps") == [0, 0]
+        elif then == "step":
+            assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+            assert pool.get_attr("_elapsed_steps") == [2, 2]
+        else:
+            assert pool.get_attr("_elapsed_steps") == [1, 1]
+    # A step started and not waited for is the caller's mistake, not an interrupt: still refused.
+    pool.step_async(np.zeros(2, np.int64))
+    with pytest.raises(ClusterEnvError, match="call step_wait first"):
+        pool.reset()
+    pool.step_wait()
+    pool.close()
+
+
+def test_adapters_are_usable_after_an_interrupted_step(no_leaks):
+    from clusterenv_cleanrl import ClusterVectorEnv
+    from clusterenv_sb3 import ClusterVecEnv
+    from tests.envs import SlowCartPole
+
+    env_fns = [functools.partial(SlowCartPole, seconds=0.5)] * 2
+    for venv in (ClusterVecEnv(env_fns), ClusterVectorEnv(env_fns)):
+        with venv:
+            venv.reset()
+            _interrupt_soon(0.1)
+            with pytest.raises(KeyboardInterrupt):
+                venv.step(np.zeros(2, np.int64))
+            venv.reset()
+            assert venv.step(np.zeros(2, np.int64))[1].tolist() == [1.0, 1.0]
+
+
+def test_nested_observation_spaces_are_refused_as_by_dummy_vec_env(no_leaks):
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from clusterenv_sb3 import ClusterVecEnv
+    from tests.envs import NestedDictEnv
+
+    with pytest.raises(NotImplementedError, match="Nested observation spaces are not supported") as expected:
+        DummyVecEnv([NestedDictEnv])
+    with pytest.raises(NotImplementedError) as caught:
+        ClusterVecEnv([NestedDictEnv] * 2)
+    assert str(caught.value) == str(expected.value)
+
+
 def test_many_create_step_close_cycles_leak_nothing(no_leaks):
     def cycle(seed: int) -> None:
         pool = EnvPool([CARTPOLE] * 2, num_workers=1)

@@ -128,6 +128,22 @@ def test_rollout_equals_sequential_reference():
         assert (rollout.versions == 0).all()
 
 
+def test_an_interrupted_rollout_is_finished_by_the_next_call():
+    import signal
+    import threading
+
+    with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        actors.rollout_async(10)
+        threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            actors.rollout_wait()
+        assert actors.pending
+        assert actors.rollout(3).rewards.shape == (3, 2)  # the interrupted segment ended first
+        assert not actors.pending
+
+
 def test_published_weights_reach_workers_and_versions_are_recorded():
     policy = LinearPolicy(greedy=True)
     with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
