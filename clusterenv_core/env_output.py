@@ -26,9 +26,9 @@ def checked_step(result: Any) -> tuple:
     _, reward, terminated, truncated, info = result
     if reward.__class__ is not float and not _is_number(reward):
         raise InvalidEnvOutput(f"the reward must be one number, got {describe(reward)}: {reward!r}")
-    if not (terminated is True or terminated is False or isinstance(terminated, np.bool_)):
+    if not (terminated is True or terminated is False or _is_flag(terminated)):
         raise InvalidEnvOutput(f"terminated must be a bool, got {describe(terminated)}: {terminated!r}")
-    if not (truncated is True or truncated is False or isinstance(truncated, np.bool_)):
+    if not (truncated is True or truncated is False or _is_flag(truncated)):
         raise InvalidEnvOutput(f"truncated must be a bool, got {describe(truncated)}: {truncated!r}")
     if info.__class__ is not dict and not isinstance(info, dict):
         raise InvalidEnvOutput(f"the info must be a dict, got {describe(info)}")
@@ -41,6 +41,14 @@ def checked_reset(result: Any) -> tuple:
     if not isinstance(result[1], dict):
         raise InvalidEnvOutput(f"the info of reset must be a dict, got {describe(result[1])}")
     return result
+
+
+def _is_flag(value: Any) -> bool:
+    """A bool, an int (0/1 from older envs) or a numpy scalar or 0-d array of either: what
+    DummyVecEnv and SyncVectorEnv store as a flag."""
+    if isinstance(value, (bool, int, np.bool_, np.integer)):
+        return True
+    return isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biu"
 
 
 def _is_number(value: Any) -> bool:

@@ -126,6 +126,34 @@ class SlowCartPole(gym.Wrapper):
         return self.env.step(action)
 
 
+class IntFlagsEnv(gym.Wrapper):
+    """Returns ``terminated`` as an int and ``truncated`` as a 0-d bool array, as older envs do;
+    DummyVecEnv and SyncVectorEnv take both as flags."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, int(terminated), np.array(truncated), info
+
+
+class NestedDictEnv(gym.Env):
+    """A Dict observation holding a Dict: SyncVectorEnv takes it, SB3's vectorizers do not."""
+
+    observation_space = spaces.Dict({"outer": spaces.Box(-1.0, 1.0, (2,)), "inner": spaces.Dict({"t": spaces.Box(0.0, 1e6, (1,))})})
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), 1.0, False, self.t >= 5, {}
+
+    def _obs(self) -> dict:
+        return {"outer": np.zeros(2, np.float32), "inner": {"t": np.array([self.t], np.float32)}}
+
+
 class JitteryEnv(gym.Wrapper):
     """Sleeps up to ``max_seconds`` (uniform, from its own unseeded RNG) before each step: the order
     in which envs finish varies from run to run, their trajectories do not."""

@@ -18,7 +18,7 @@ from gymnasium import spaces
 from clusterenv_cleanrl import ClusterVectorEnv
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from tests.compare import assert_same
-from tests.envs import SpacesEnv, make_dict_env
+from tests.envs import IntFlagsEnv, SpacesEnv, make_dict_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,6 +32,10 @@ MODES = ["NextStep", "SameStep", "Disabled"] if GYMNASIUM_1 else [None]
 
 def make_cartpole(max_episode_steps: int = 40) -> gym.Env:
     return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1", max_episode_steps=max_episode_steps))
+
+
+def make_int_flags_cartpole() -> gym.Env:
+    return IntFlagsEnv(gym.make("CartPole-v1", max_episode_steps=30))
 
 
 class TextObsEnv(gym.Env):
@@ -131,6 +135,16 @@ def test_cartpole_with_episode_statistics(mode):
         counts = run_and_compare(cluster, sync, STEPS, seed=1)
     sync.close()
     assert counts["terminated"] > 50 and counts["truncated"] > 5, counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flags_returned_as_ints_or_0d_arrays(mode):
+    env_fns = [make_int_flags_cartpole] * NUM_ENVS
+    cluster, sync = make_pair(env_fns, mode)
+    with cluster:
+        counts = run_and_compare(cluster, sync, 400, seed=3)
+    sync.close()
+    assert counts["terminated"] > 5 and counts["truncated"] > 5, counts
 
 
 @pytest.mark.parametrize("mode", MODES)
