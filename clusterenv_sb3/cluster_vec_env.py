@@ -10,6 +10,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from stable_baselines3.common.preprocessing import check_for_nested_spaces
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
 from clusterenv_core import EnvPool
@@ -43,6 +44,8 @@ class ClusterVecEnv(VecEnv):
             )
         self.pool = EnvPool.from_options(env_fns, autoreset_mode="same_step", **options)
         try:
+            # Nested Dict/Tuple observations: refused with DummyVecEnv's error, as SB3 supports none.
+            check_for_nested_spaces(self.pool.observation_space)
             super().__init__(self.pool.num_envs, self.pool.observation_space, self.pool.action_space)
         except BaseException:
             self.pool.close()
