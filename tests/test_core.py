@@ -191,3 +191,15 @@ def test_wire_pickles_numpy_scalars_by_value_exactly(value):
     back = pickle.loads(dumps(("ok", {"infos": {0: {"key": value, "list": [value]}}})))[1]["infos"][0]
     for got in (back["key"], back["list"][0]):
         assert type(got) is type(value) and got.tobytes() == value.tobytes()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P (a path without the working directory) is 3.11+")
+def test_a_clusterenv_core_in_the_working_directory_does_not_shadow_the_learners(tmp_path, monkeypatch):
+    # A source checkout where the user runs their script, another clusterenv_core installed.
+    shadow = tmp_path / "clusterenv_core"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the clusterenv_core of the working directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    with EnvPool.make("CartPole-v1", 2, num_workers=1, timeout=30) as pool:
+        pool.reset(seeds=[0, 1])
+        assert pool.step(np.zeros(2, np.int64)).rewards.tolist() == [1.0, 1.0]

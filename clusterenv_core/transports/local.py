@@ -308,6 +308,11 @@ class LocalTransport(Transport):
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self._worker_env = env
+        # With -m, the working directory comes first on the worker's path, before the package root
+        # above: a source checkout there would shadow the clusterenv_core this learner runs. -P
+        # (Python 3.11+) leaves it out; the learner's own path reaches the worker with Init.
+        same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
+        self._safe_path = ["-P"] if same_python and sys.version_info >= (3, 11) else []
         for worker in range(num_workers):
             process, channel = self._launch(worker)
             self.processes.append(process)
@@ -317,7 +322,7 @@ class LocalTransport(Transport):
         learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = (worker_end.fileno(), self.memory_fd)
         spin = self.worker_spin if worker < self.spinning_workers else 0.0
-        command = [self.python, "-m", "clusterenv_core.worker", "local", *map(str, fds), repr(spin)]
+        command = [self.python, *self._safe_path, "-m", "clusterenv_core.worker", "local", *map(str, fds), repr(spin)]
         stderr = self._stderr.new_pipe(worker)
         try:
             process = subprocess.Popen(
