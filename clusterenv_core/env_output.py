@@ -19,6 +19,14 @@ from clusterenv_core.protocol import dumps
 from clusterenv_core.spaces import describe
 
 
+def checked_env(env: Any) -> Any:
+    """What an env factory built, checked to be an environment: the learner needs its spaces."""
+    missing = [name for name in ("reset", "step", "observation_space", "action_space") if not hasattr(env, name)]
+    if missing:
+        raise InvalidEnvOutput(f"the env factory returned {describe(env)}, not an environment (it has no {', '.join(missing)})")
+    return env
+
+
 def checked_step(result: Any) -> tuple:
     """An env's step result, checked as far as the buffers and the Gymnasium API need it."""
     if not isinstance(result, (tuple, list)) or len(result) != 5:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from clusterenv_core import protocol, registry
-from clusterenv_core.env_output import checked_reset, checked_step, unpicklable_part
+from clusterenv_core.env_output import checked_env, checked_reset, checked_step, unpicklable_part
 from clusterenv_core.errors import InvalidEnvOutput
 from clusterenv_core.protocol import ERROR, OK, PROGRESS, RESTART_INFO_KEY, ErrorDetails
 from clusterenv_core.transports.base import WorkerConnection
@@ -109,7 +109,7 @@ class EnvBlock:
 
     def _make_env(self, slot: int) -> Any:
         try:
-            return self.env_fns[slot]()
+            return checked_env(self.env_fns[slot]())
         except BaseException as error:
             raise RemoteFailure(slot, "creating the env", error) from error
 

@@ -97,6 +97,15 @@ def test_env_constructor_failure_names_the_index(no_leaks):
     assert "no such simulator" in caught.value.remote_traceback
 
 
+def test_a_factory_that_returns_no_env_is_named(no_leaks):
+    def forgot_to_return():
+        gym.make("CartPole-v1")
+
+    with pytest.raises(EnvError, match="creating the env failed in env 1 on worker 0") as caught:
+        EnvPool([CARTPOLE, forgot_to_return], num_workers=1)
+    assert "the env factory returned NoneType, not an environment (it has no reset, step, " in str(caught.value)
+
+
 def test_unpicklable_factory_is_rejected_before_start(no_leaks):
     lock = threading.Lock()
     with pytest.raises(ValueError, match=r"env_fns\[1\] cannot be pickled"):
