@@ -151,7 +151,7 @@ def test_a_dead_worker_says_why(no_leaks, how, status):
     with pytest.raises(WorkerLostError) as caught:
         _step_zeros(pool)
     message = str(caught.value)
-    assert "worker 1 (pid" in message and status in message, message
+    assert "worker 1 (pid" in message and ", env 1) " in message and status in message, message
     assert "The last lines it wrote to stderr" in message and "simulator: giving up at step 2" in message, message
     if how == "segfault":
         assert "Fatal Python error: Segmentation fault" in message and "in step" in message, message
@@ -189,7 +189,7 @@ def test_stuck_env_times_out_and_close_kills_it(no_leaks):
     pool = EnvPool(env_fns, num_workers=2, timeout=2.0)
     pool.reset()
     started = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match="worker 1 .* did not answer within 2 s"):
+    with pytest.raises(WorkerTimeoutError, match=r"worker 1 \(pid \d+, env 1\) did not answer within 2 s"):
         _step_zeros(pool)
     assert 2.0 <= time.monotonic() - started < 6.0
     started = time.monotonic()

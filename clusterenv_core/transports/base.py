@@ -35,6 +35,15 @@ class Transport(ABC):
     #: set by the pool that owns the transport: shuts that pool down. A backend whose own exit
     #: handling must come after its pools have closed (MPI finalization) calls it at exit.
     exit_hook: Callable[[], None] | None = None
+    #: the env indices of each worker, once :meth:`share_buffers` has them (for error messages)
+    blocks: tuple[range, ...] = ()
+
+    def envs_of(self, worker: int) -> str:
+        """``", envs 4-7"``: the envs of ``worker``, for error messages (empty before the buffers)."""
+        if worker >= len(self.blocks):
+            return ""
+        block = self.blocks[worker]
+        return f", env {block.start}" if len(block) == 1 else f", envs {block.start}-{block.stop - 1}"
 
     def default_num_workers(self) -> int | None:
         """How many workers this backend has to offer (e.g. the worker ranks of an MPI launch), or

@@ -364,7 +364,7 @@ class LocalTransport(Transport):
         except TimeoutError:
             self.failed.add(worker)
             raise WorkerTimeoutError(
-                f"worker {worker} (pid {self.processes[worker].pid}) did not answer within {timeout:g} s"
+                f"worker {worker} (pid {self.processes[worker].pid}{self.envs_of(worker)}) did not answer within {timeout:g} s"
             ) from None
         except ConnectionError as error:
             raise self._lost(worker, f"its connection broke ({error})") from error
@@ -407,12 +407,13 @@ class LocalTransport(Transport):
             status = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
         except (subprocess.TimeoutExpired, ValueError):
             status = "is unresponsive"
-            return WorkerLostError(f"worker {worker} (pid {process.pid}) {status}: {why}")
+            return WorkerLostError(f"worker {worker} (pid {process.pid}{self.envs_of(worker)}) {status}: {why}")
         last_lines = self._stderr.last_lines(worker)
         said = f"\n\nThe last lines it wrote to stderr:\n{last_lines}" if last_lines else " (it wrote nothing to stderr)"
-        return WorkerLostError(f"worker {worker} (pid {process.pid}) {status}: {why}{said}")
+        return WorkerLostError(f"worker {worker} (pid {process.pid}{self.envs_of(worker)}) {status}: {why}{said}")
 
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
+        self.blocks = tuple(blocks)
         nbytes = spec.nbytes()
         os.ftruncate(self.memory_fd, nbytes)
         self.memory = mmap.mmap(self.memory_fd, nbytes)

@@ -362,7 +362,7 @@ class MPITransport(Transport):
             bell.received()
 
     def _describe(self, worker: int) -> str:
-        return f"MPI rank {self.ranks[worker]}, pid {self.pids[worker]} on {self.hosts[worker]}"
+        return f"MPI rank {self.ranks[worker]}, pid {self.pids[worker]} on {self.hosts[worker]}{self.envs_of(worker)}"
 
     def _check_manager(self) -> None:
         if self.mode == "spawn" and pm_exited():
@@ -406,6 +406,7 @@ class MPITransport(Transport):
     @holding_mpi_lock
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
         MPI = State.MPI
+        self.blocks = tuple(blocks)
         count = len(blocks)
         header_bytes = -(-HEADER * count // ALIGN) * ALIGN
         self._memory = memory = bytearray(header_bytes + spec.nbytes())
