@@ -7,7 +7,15 @@ ranks). Both gymnasium 1.x and gymnasium 0.29 (which CleanRL pins) are supported
 ``send``/``recv`` interface over the same workers. Failures on workers raise the errors exported here.
 """
 
-from clusterenv_core.errors import ClusterEnvError, EnvAttributeError, EnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.errors import (
+    ClusterEnvError,
+    EnvAttributeError,
+    EnvError,
+    EnvTypeError,
+    EnvValueError,
+    WorkerLostError,
+    WorkerTimeoutError,
+)
 from clusterenv_cleanrl.envpool_api import ClusterEnvPool, make_gymnasium
 from clusterenv_cleanrl.vector_env import ClusterVectorEnv
 from clusterenv_cleanrl.rollouts import (
@@ -44,6 +52,8 @@ __all__ = [
     "replay_transitions",
     "EnvAttributeError",
     "EnvError",
+    "EnvTypeError",
+    "EnvValueError",
     "WorkerLostError",
     "WorkerTimeoutError",
 ]

@@ -63,6 +63,24 @@ class EnvAttributeError(EnvError, AttributeError):
     """
 
 
+class EnvTypeError(EnvError, TypeError):
+    """A remote environment raised a ``TypeError`` (calling a method that is not callable, say);
+    also a ``TypeError``, as with DummyVecEnv and SyncVectorEnv."""
+
+
+class EnvValueError(EnvError, ValueError):
+    """A remote environment raised a ``ValueError``; also a ``ValueError``, as with DummyVecEnv and
+    SyncVectorEnv."""
+
+
+#: EnvError classes that are also the builtin exception the remote env raised, by its qualified name
+ENV_ERROR_CLASSES: dict[str, type[EnvError]] = {
+    "builtins.AttributeError": EnvAttributeError,
+    "builtins.TypeError": EnvTypeError,
+    "builtins.ValueError": EnvValueError,
+}
+
+
 class InvalidEnvOutput(ValueError):
     """An env returned something its spaces or the Gymnasium API do not allow (raised on the worker;
     the learner gets an :class:`EnvError` whose ``exc_type`` names this class)."""

@@ -24,8 +24,8 @@ from clusterenv_core.actors import DeprecatedPoolMethods
 from clusterenv_core.buffers import BatchSpec
 from clusterenv_core.checks import check_indices, check_int, check_seconds, is_int, per_env_values
 from clusterenv_core.errors import (
+    ENV_ERROR_CLASSES,
     ClusterEnvError,
-    EnvAttributeError,
     EnvError,
     WorkerLostError,
     WorkerTimeoutError,
@@ -484,7 +484,7 @@ class EnvPool(DeprecatedPoolMethods):
             self._awaiting.pop(worker, None)
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
-                    error_class = EnvAttributeError if result.exc_type == "builtins.AttributeError" else EnvError
+                    error_class = ENV_ERROR_CLASSES.get(result.exc_type, EnvError)
                     operation = result.operation if result.operation != "step" else what
                     first_error = error_class(
                         result.env_index, worker, operation, result.exc_type, result.message, result.traceback

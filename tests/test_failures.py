@@ -64,6 +64,7 @@ def test_env_exception_names_env_worker_and_remote_traceback(no_leaks):
         _step_zeros(pool)
     error = caught.value
     assert (error.env_index, error.worker_index, error.exc_type) == (3, 1, "builtins.ValueError")
+    assert isinstance(error, ValueError)  # what DummyVecEnv would raise, for code that catches it
     assert "env 3 on worker 1" in str(error)
     assert "injected failure at step 2" in str(error)
     assert "Traceback (most recent call last)" in error.remote_traceback
@@ -72,6 +73,19 @@ def test_env_exception_names_env_worker_and_remote_traceback(no_leaks):
     pool.reset()
     _step_zeros(pool)
     pool.close()
+
+
+def test_env_methods_raise_the_builtin_type_dummy_vec_env_raises(no_leaks):
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from clusterenv_sb3 import ClusterVecEnv
+
+    for venv in (DummyVecEnv([CARTPOLE] * 2), ClusterVecEnv([CARTPOLE] * 2)):
+        with pytest.raises(TypeError):
+            venv.env_method("spec")  # an attribute, not a method
+        with pytest.raises(AttributeError):
+            venv.env_method("no_such_method")
+        venv.close()
 
 
 def test_envs_failing_together_report_the_first_env(no_leaks):
