@@ -164,6 +164,7 @@ class EnvPool(DeprecatedPoolMethods):
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, transport, self._awaiting)
         transport.exit_hook = self._finalizer
+        transport.blocks = tuple(self.blocks)
         try:
             transport.start(num_workers, timeout)
             start_timeout = max(timeout, START_TIMEOUT)

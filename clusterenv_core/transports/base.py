@@ -35,11 +35,11 @@ class Transport(ABC):
     #: set by the pool that owns the transport: shuts that pool down. A backend whose own exit
     #: handling must come after its pools have closed (MPI finalization) calls it at exit.
     exit_hook: Callable[[], None] | None = None
-    #: the env indices of each worker, once :meth:`share_buffers` has them (for error messages)
+    #: set by the pool that owns the transport: the env indices of each worker (for error messages)
     blocks: tuple[range, ...] = ()
 
     def envs_of(self, worker: int) -> str:
-        """``", envs 4-7"``: the envs of ``worker``, for error messages (empty before the buffers)."""
+        """``", envs 4-7"``: the envs of ``worker``, for error messages (empty without blocks)."""
         if worker >= len(self.blocks):
             return ""
         block = self.blocks[worker]

@@ -413,7 +413,6 @@ class LocalTransport(Transport):
         return WorkerLostError(f"worker {worker} (pid {process.pid}{self.envs_of(worker)}) {status}: {why}{said}")
 
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
-        self.blocks = tuple(blocks)
         nbytes = spec.nbytes()
         os.ftruncate(self.memory_fd, nbytes)
         self.memory = mmap.mmap(self.memory_fd, nbytes)

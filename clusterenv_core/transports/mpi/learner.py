@@ -406,7 +406,6 @@ class MPITransport(Transport):
     @holding_mpi_lock
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
         MPI = State.MPI
-        self.blocks = tuple(blocks)
         count = len(blocks)
         header_bytes = -(-HEADER * count // ALIGN) * ALIGN
         self._memory = memory = bytearray(header_bytes + spec.nbytes())
