@@ -19,6 +19,7 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
 from tests.envs import CrashingEnv, FailingEnv, HangingEnv, SuicidalEnv
+from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -308,24 +309,18 @@ def test_step_after_close_fails_clearly(no_leaks):
         _step_zeros(pool)
 
 
-def _interrupt_soon(delay: float) -> None:
-    """Ctrl-C in ``delay`` seconds, delivered to the main thread (a process-wide signal may land on
-    another thread, and the main thread then only notices it when its wait returns)."""
-    threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
-
-
 def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
     from tests.envs import SlowCartPole
 
     # Steps of 1.5 s, interrupted after 0.1 s: the timer thread has ample slack on a loaded machine.
     pool = EnvPool([functools.partial(SlowCartPole, seconds=1.5)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
-    _interrupt_soon(0.1)
+    interrupt_soon(0.1)
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
     result = pool.step_wait()  # the interrupted step is still pending and completes
     assert result.rewards.tolist() == [1.0, 1.0]
-    _interrupt_soon(0.1)
+    interrupt_soon(0.1)
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
     pool.close()
@@ -341,7 +336,7 @@ def test_after_an_interrupted_step_every_call_finishes_it_first(no_leaks):
     pool.reset(seeds=[0, 1])
     for then in ("reset", "step", "call"):
         pool.reset(seeds=[0, 1])
-        _interrupt_soon(0.1)
+        interrupt_soon(0.1)
         with pytest.raises(KeyboardInterrupt):
             _step_zeros(pool)
         if then == "reset":
@@ -369,7 +364,7 @@ def test_adapters_are_usable_after_an_interrupted_step(no_leaks):
     for venv in (ClusterVecEnv(env_fns), ClusterVectorEnv(env_fns)):
         with venv:
             venv.reset()
-            _interrupt_soon(0.1)
+            interrupt_soon(0.1)
             with pytest.raises(KeyboardInterrupt):
                 venv.step(np.zeros(2, np.int64))
             venv.reset()

@@ -15,6 +15,7 @@ from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerTimeoutErr
 from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
 from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
 from tests.envs import FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
+from tests.interrupts import interrupt_soon  # noqa: E402
 from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
 
 D = torch.distributions
@@ -129,14 +130,11 @@ def test_rollout_equals_sequential_reference():
 
 
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
-    import signal
-    import threading
-
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
         actors = pool.deploy(LinearPolicy())
         actors.rollout_async(10)
-        threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        interrupt_soon(0.1)
         with pytest.raises(KeyboardInterrupt):
             actors.rollout_wait()
         assert actors.pending

@@ -1,0 +1,12 @@
+"""Ctrl-C on a timer, for tests of what an interrupted wait leaves behind."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+def interrupt_soon(delay: float) -> None:
+    """Ctrl-C in ``delay`` seconds, delivered to the main thread (a process-wide signal may land on
+    another thread, and the main thread then only notices it when its wait returns)."""
+    threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
