@@ -230,10 +230,12 @@ class EnvPool(DeprecatedPoolMethods):
         :raises ValueError: wrong shape, count or values, before anything is sent
         """
         self._check_usable()
-        if self._stepping and not self._wait_interrupted:
-            raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
-        self._check_not_stepping()
-        self._drain()
+        if self._stepping or self._awaiting or self.actors is not None or self.batches is not None:
+            # Something may be pending or interrupted: the careful checks (skipped on the plain path).
+            if self._stepping and not self._wait_interrupted:
+                raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
+            self._check_not_stepping()
+            self._drain()
         if self._act_layout.buffered:
             layout = self._act_layout
             leaves = layout.stack(actions, self.num_envs) if per_env else layout.check_batch(actions, self.num_envs)
@@ -293,7 +295,8 @@ class EnvPool(DeprecatedPoolMethods):
             infos.update(parts.get("infos", ()))
             reset_infos.update(parts.get("reset_infos", ()))
             final_obs.update(parts.get("final_obs", ()))
-            self._store_pickled_obs(parts)
+            if "obs" in parts:
+                self._store_pickled_obs(parts)
         if self.restart_failed_envs:
             self.restarts["envs"] += sum(RESTART_INFO_KEY in info for info in infos.values())
         buffers = self.buffers
@@ -472,17 +475,21 @@ class EnvPool(DeprecatedPoolMethods):
         timeout = self.timeout if timeout is None else timeout
         results: dict[int, Any] = {}
         first_error: EnvError | None = None  # of the lowest-numbered worker that failed
+        awaiting = self._awaiting
         for worker in workers:
-            request_type = self._awaiting.get(worker)
+            request_type = awaiting.get(worker)
             try:
-                status, result = _read_reply(transport, worker, request_type, timeout)
+                if request_type is None:  # a step: never progress reports, never rows to receive after
+                    status, result = transport.recv_step(worker, timeout)
+                else:
+                    status, result = _read_reply(transport, worker, request_type, timeout)
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not step:
                     raise self._fail(error)
-                self._awaiting.pop(worker, None)
+                awaiting.pop(worker, None)
                 self._lost_in_step(worker, error)
                 continue
-            self._awaiting.pop(worker, None)
+            awaiting.pop(worker, None)
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
                     error_class = ENV_ERROR_CLASSES.get(result.exc_type, EnvError)

@@ -192,6 +192,8 @@ class SpaceLayout:
         :raises ValueError: wrong keys, lengths or shapes, or values that the field's dtype cannot
             hold (NaN or fractional values for integer spaces, out-of-range integers)
         """
+        if isinstance(self._tree, int):  # one field: the batch is its array (every step goes here)
+            return [_as_field_array(self.fields[self._tree], batch, num_envs)]
         leaves: list[np.ndarray] = [None] * len(self.fields)  # type: ignore[list-item]
         self._collect(self._tree, batch, leaves, num_envs)
         return leaves

@@ -41,7 +41,7 @@ import numpy as np
 from clusterenv_core import protocol, registry
 from clusterenv_core.env_output import checked_env, checked_reset, checked_step, unpicklable_part
 from clusterenv_core.errors import InvalidEnvOutput
-from clusterenv_core.protocol import ERROR, OK, PROGRESS, RESTART_INFO_KEY, ErrorDetails
+from clusterenv_core.protocol import ERROR, OK, OK_NONE, PROGRESS, RESTART_INFO_KEY, ErrorDetails
 from clusterenv_core.transports.base import WorkerConnection
 
 
@@ -401,7 +401,8 @@ class Worker:
                 return 0
             if type(request) is str:  # STEP, the fast path
                 try:
-                    reply = (OK, self.block.step())
+                    parts = self.block.step()
+                    reply = OK_NONE if parts is None else (OK, parts)
                 except RemoteFailure as failure:
                     reply = failure.reply(self.first_index)
                 self._send_reply(connection.send_step, reply, "step")

@@ -36,7 +36,7 @@ from typing import Any
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
-from clusterenv_core.protocol import STEP, dumps
+from clusterenv_core.protocol import OK_NONE, STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
 
 _HEADER = struct.Struct("<Q")
@@ -48,7 +48,12 @@ def _frame(message: Any) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
+# The messages of every step, framed once: a step costs no pickling when there is nothing but them,
+# and a frame that equals one of them is that message without unpickling.
 _STEP_FRAME = _frame(STEP)
+_OK_NONE_FRAME = _frame(OK_NONE)
+_STEP_FRAME_SIZE = len(_STEP_FRAME)
+_OK_NONE_FRAME_SIZE = len(_OK_NONE_FRAME)
 
 
 class _MessageSocket:
@@ -75,29 +80,36 @@ class _MessageSocket:
     def recv(self, timeout: float | None = None, still_alive=None) -> Any:
         """The next message; ``EOFError`` if the peer closed. With ``timeout``, ``TimeoutError`` when it
         expires; ``still_alive()`` is consulted while waiting and may raise."""
+        message = self._take()
+        if message is not None:
+            return message[0]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._read(deadline, still_alive)
             message = self._take()
             if message is not None:
                 return message[0]
-            if self._start == self._end:
-                self._start = self._end = 0
-            elif self._start > 0:  # move the partial message to the front
-                pending = self._end - self._start
-                self._buffer[:pending] = self._buffer[self._start : self._end]
-                self._start, self._end = 0, pending
-            if len(self._buffer) - self._end < 4096:
-                self._buffer.extend(bytes(len(self._buffer)))
-            if deadline is not None:
-                self._wait_readable(deadline, still_alive)
-            view = memoryview(self._buffer)[self._end :]
-            count = self._spin_recv(view) if self.spin and deadline is None else None
-            if count is None:
-                count = self.sock.recv_into(view)
-            view.release()
-            if count == 0:
-                raise EOFError("connection closed")
-            self._end += count
+
+    def _read(self, deadline: float | None, still_alive) -> None:
+        """Wait for bytes (until ``deadline``, if any) and append what arrived to the buffer."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start > 0:  # move the partial message to the front
+            pending = self._end - self._start
+            self._buffer[:pending] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, pending
+        if len(self._buffer) - self._end < 4096:
+            self._buffer.extend(bytes(len(self._buffer)))
+        if deadline is not None:
+            self._wait_readable(deadline, still_alive)
+        view = memoryview(self._buffer)[self._end :]
+        count = self._spin_recv(view) if self.spin and deadline is None else None
+        if count is None:
+            count = self.sock.recv_into(view)
+        view.release()
+        if count == 0:
+            raise EOFError("connection closed")
+        self._end += count
 
     def _spin_recv(self, view: memoryview) -> int | None:
         """Poll for up to ``spin`` seconds; the bytes read, or ``None`` if nothing came."""
@@ -111,9 +123,17 @@ class _MessageSocket:
 
     def _take(self) -> tuple[Any] | None:
         """The next whole buffered message (in a 1-tuple), or None; grows the buffer for a long one."""
-        available = self._end - self._start
+        start = self._start
+        available = self._end - start
         if available < _HEADER.size:
             return None
+        buffer = self._buffer
+        if available >= _STEP_FRAME_SIZE and buffer.startswith(_STEP_FRAME, start):
+            self._start = start + _STEP_FRAME_SIZE
+            return (STEP,)
+        if available >= _OK_NONE_FRAME_SIZE and buffer.startswith(_OK_NONE_FRAME, start):
+            self._start = start + _OK_NONE_FRAME_SIZE
+            return (OK_NONE,)
         (length,) = _HEADER.unpack_from(self._buffer, self._start)
         total = _HEADER.size + length
         if available < total:
@@ -348,7 +368,10 @@ class LocalTransport(Transport):
         self._send_frame(worker, _frame(message))
 
     def send_step(self, worker: int) -> None:
-        self._send_frame(worker, _STEP_FRAME)
+        try:
+            self.sockets[worker].sock.sendall(_STEP_FRAME)
+        except OSError as error:
+            raise self._lost(worker, f"cannot send to it ({error})") from error
 
     def _send_frame(self, worker: int, frame: bytes) -> None:
         try:
@@ -480,12 +503,16 @@ class LocalWorkerConnection(WorkerConnection):
             return None
 
     def send(self, message: Any) -> None:
+        self._send_frame(_frame(message))
+
+    def send_step(self, reply: Any) -> None:
+        self._send_frame(_OK_NONE_FRAME if reply is OK_NONE else _frame(reply))
+
+    def _send_frame(self, frame: bytes) -> None:
         try:
-            self.channel.send_frame(_frame(message))
+            self.channel.sock.sendall(frame)
         except OSError:
             pass  # the learner is gone; the next recv ends the loop
-
-    send_step = send
 
     def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
         self.memory = mmap.mmap(self.memory_fd, spec.nbytes())
