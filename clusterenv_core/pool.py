@@ -367,6 +367,29 @@ class EnvPool(DeprecatedPoolMethods):
         self.actors = WorkerActors(self, policy, seed)
         return self.actors
 
+    def preload(self, modules: Sequence[str]) -> None:
+        """Have every worker import ``modules`` now, in the background; returns at once.
+
+        For work whose first use would otherwise wait for imports on the workers: starting torch
+        takes them a second or more, which a policy deployed later would pay. The next call on the
+        pool waits for the imports to end. A module that fails to import is not reported here: the
+        call that needs it fails with the reason.
+
+        :param modules: names of importable modules (``"torch"``)
+        """
+        self._check_usable()
+        self._check_not_stepping()
+        if self.batches is not None:
+            raise ClusterEnvError("preload before starting asynchronous batches, whose steps start without waiting for it")
+        modules = tuple(modules)
+        for name in modules:
+            if not isinstance(name, str):
+                raise TypeError(f"modules must be module names, got {name!r}")
+        self._drain()
+        request = protocol.Preload(modules)
+        for worker in range(self.num_workers):
+            self._send(worker, request)
+
     # -- asynchronous batches ---------------------------------------------------------------------
 
     def async_batches(self, batch_size: int) -> AsyncBatches:
@@ -482,7 +505,7 @@ class EnvPool(DeprecatedPoolMethods):
                 if request_type is None:  # a step: never progress reports, never rows to receive after
                     status, result = transport.recv_step(worker, timeout)
                 else:
-                    status, result = _read_reply(transport, worker, request_type, timeout)
+                    status, result = _read_reply(transport, worker, request_type, _reply_timeout(request_type, timeout))
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not step:
                     raise self._fail(error)
@@ -514,8 +537,9 @@ class EnvPool(DeprecatedPoolMethods):
     def _drain(self) -> None:
         """Read replies left unread by an interrupted call, so requests and replies stay paired."""
         for worker in sorted(self._awaiting):
+            request_type = self._awaiting[worker]
             try:
-                _read_reply(self._transport, worker, self._awaiting[worker], self.timeout)
+                _read_reply(self._transport, worker, request_type, _reply_timeout(request_type, self.timeout))
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
             del self._awaiting[worker]
@@ -585,6 +609,12 @@ def _pickle_factories(env_fns: list, block: range) -> list[bytes]:
                 "env factories must be picklable to reach the workers"
             ) from error
     return pickled
+
+
+def _reply_timeout(request_type: type | None, timeout: float) -> float:
+    """How long to wait for the reply to a request of ``request_type``: at least as long as for a
+    starting worker where answering may mean importing large modules."""
+    return max(timeout, START_TIMEOUT) if request_type is not None and request_type.IMPORTS else timeout
 
 
 def _read_reply(transport: Transport, worker: int, request_type: type | None, timeout: float) -> tuple[str, Any]:

@@ -52,6 +52,9 @@ class Request:
     REPLY_ROWS: ClassVar[bool] = False
     REQUEST_ARRAYS: ClassVar[bool] = False
     REPLY_ARRAYS: ClassVar[bool] = False
+    #: answering may mean importing large modules (torch): the pool waits for the reply at least as
+    #: long as for a starting worker, whatever its own timeout
+    IMPORTS: ClassVar[bool] = False
 
 
 # Request types. Env positions (``slots``) count from the worker's first env, 0 to block size - 1.
@@ -98,10 +101,20 @@ class Reset(Request):
 
 
 @dataclass(frozen=True)
+class Preload(Request):
+    """Import ``modules`` now, before a request that needs them (a deployed policy needs torch)."""
+
+    IMPORTS: ClassVar[bool] = True
+
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Deploy(Request):
     """Load the cloudpickled ``policy`` and map its weights region."""
 
     REQUEST_ARRAYS: ClassVar[bool] = True  # the weights, where memory is not shared (``deliver``)
+    IMPORTS: ClassVar[bool] = True
 
     policy: bytes
     weights_handle: Any

@@ -30,6 +30,7 @@ if __name__ == "__main__":
 
     sys.exit(run_worker_program(sys.argv[1:]))
 
+import importlib
 import pickle
 import time
 import traceback
@@ -480,6 +481,10 @@ class Worker:
     def reset(self, request: protocol.Reset) -> dict | None:
         return self.block.reset(request.seeds, request.options, request.mask)
 
+    def preload(self, request: protocol.Preload) -> None:
+        for name in request.modules:
+            importlib.import_module(name)
+
     def deploy(self, request: protocol.Deploy) -> None:
         from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
 
@@ -541,6 +546,7 @@ HANDLERS: dict[type, Callable[[Worker, Any], Any]] = {
     protocol.Attach: Worker.attach,
     protocol.Actions: Worker.actions,
     protocol.Reset: Worker.reset,
+    protocol.Preload: Worker.preload,
     protocol.Deploy: Worker.deploy,
     protocol.Weights: Worker.weights,
     protocol.Rollout: Worker.rollout,

@@ -44,6 +44,7 @@ from stable_baselines3.common.utils import obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
 
 from clusterenv_core.aaps import PolicySync
+from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.rollout import Rollout
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
 from clusterenv_sb3.policies import TD3ActorDeployable, make_deployable
@@ -141,11 +142,26 @@ class _Segment:
         return _copy(self.rollout.last_obs)
 
 
+# What deploying a policy imports on the workers. Starting torch takes a worker a second or more:
+# begun when the algorithm is made, it overlaps the learner building its policy, instead of
+# delaying the first segment of learn().
+_DEPLOY_MODULES = ("torch", "clusterenv_sb3.policies")
+
+
 class WorkerInferenceMixin:
     """What PPO and DQN share: the env check, deployment, segments, overlap and the sync after updates."""
 
     env: VecEnv | None
     _policy_sync: PolicySync | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        env = kwargs.get("env", args[1] if len(args) > 1 else None)
+        if isinstance(env, ClusterVecEnv) and not env.pool.closed:
+            try:
+                env.pool.preload(_DEPLOY_MODULES)
+            except ClusterEnvError:
+                pass  # a pool in use or broken: the checks of _init_worker_inference and learn() say why
+        super().__init__(*args, **kwargs)  # the SB3 algorithm's constructor
 
     def _init_worker_inference(self, overlap_collection: bool) -> None:
         self.overlap_collection = bool(overlap_collection)

@@ -136,6 +136,25 @@ def test_workers_import_torch_only_if_env_does():
         assert pool.call("has_module", kwargs={"name": "stable_baselines3"}) == [False, False]
 
 
+def test_preload_imports_in_the_background_and_the_next_call_waits_for_it(tmp_path, monkeypatch):
+    # A module slower to import than the pool's timeout: preload returns at once, and the next call
+    # waits for the import as long as for a starting worker, not the pool's timeout.
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # before the pool starts: workers get the learner's path
+    env_fns = [functools.partial(SpacesEnv, spaces.Discrete(2), spaces.Discrete(2))] * 2
+    with EnvPool(env_fns, num_workers=2, timeout=0.5) as pool:
+        started = time.monotonic()
+        pool.preload(["slow_to_import", "no_such_module_anywhere"])
+        assert time.monotonic() - started < 1.0  # it did not wait for the import
+        # A module that fails to import is left to the call that needs it.
+        assert pool.call("has_module", ["slow_to_import"]) == [True, True]
+        assert pool.call("has_module", ["no_such_module_anywhere"]) == [False, False]
+        pool.reset()
+        pool.step(np.zeros(2, np.int64))
+        with pytest.raises(TypeError, match="module names"):
+            pool.preload([sys])
+
+
 def test_core_imports_without_torch_or_sb3():
     code = (
         "import sys\n"

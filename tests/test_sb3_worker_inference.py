@@ -620,6 +620,21 @@ def test_dqn_learns_cartpole_with_aaps():
         env.close()
 
 
+def test_workers_start_torch_when_the_algorithm_is_made():
+    """Deployment imports torch on the workers: it starts when the algorithm is made (overlapping the
+    learner building its policy), not inside the first learn()."""
+    from tests.envs import SpacesEnv
+
+    observations = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    env = ClusterVecEnv([lambda: SpacesEnv(observations, spaces.Discrete(2))] * 2, num_workers=2)
+    try:
+        assert env.pool.call("has_module", ["torch"]) == [False, False]
+        PPO("MlpPolicy", env, n_steps=8, batch_size=16, device="cpu")
+        assert env.pool.call("has_module", ["torch"]) == [True, True]
+    finally:
+        env.close()
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 
