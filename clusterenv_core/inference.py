@@ -139,6 +139,8 @@ class PolicyHost:
             tensors = {key: torch.as_tensor(value) for key, value in obs.items()}
         else:
             tensors = torch.as_tensor(obs)
-        with torch.no_grad():
+        # Inference mode: no_grad without autograd's bookkeeping (version counters, views), the same
+        # kernels and results; a few µs on each of the many small operations of a policy.
+        with torch.inference_mode():
             out = self.policy.act(tensors, **context)
         return {key: value.cpu().numpy() for key, value in out.items()}

@@ -156,6 +156,8 @@ def _generic_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -
     return policy(obs, deterministic=deterministic)
 
 
+_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
+
 # Activation modules whose forward is one torch function.
 _ACTIVATIONS = {th.nn.Tanh: th.tanh, th.nn.ReLU: th.relu}
 
@@ -195,6 +197,11 @@ class _MlpForward:
         self.pi_layers = pi_layers
         self.vf_layers = vf_layers
         self.gaussian = gaussian
+        # The Gaussian's std and the terms of its log-probability that depend on log_std only,
+        # computed as SB3 computes them: kept while log_std keeps its version (loading weights
+        # changes it in place, which counts) and the batch its shape. A fifth of act() on 8 envs.
+        self._std_key: tuple | None = None
+        self._std_terms: tuple = ()
 
     @classmethod
     def of(cls, policy: ActorCriticPolicy) -> _MlpForward | None:
@@ -230,9 +237,14 @@ class _MlpForward:
         if self.gaussian:
             # torch's Normal(mean, std): sample() is torch.normal, log_prob its closed form; SB3 sums
             # the log-probabilities over the action dimensions.
-            std = th.ones_like(out) * policy.log_std.exp()
+            log_std = policy.log_std
+            key = (id(log_std), log_std._version, out.shape)
+            if key != self._std_key:
+                std = th.ones_like(out) * log_std.exp()
+                self._std_terms, self._std_key = (std, 2 * std**2, std.log()), key
+            std, twice_variance, log_of_std = self._std_terms
             actions = out if deterministic else th.normal(out, std)
-            log_probs = -((actions - out) ** 2) / (2 * std**2) - std.log() - math.log(math.sqrt(2 * math.pi))
+            log_probs = -((actions - out) ** 2) / twice_variance - log_of_std - _LOG_SQRT_2PI
             log_probs = log_probs.sum(dim=1)
         else:
             # torch's Categorical(logits=out): normalized logits, softmax probabilities, multinomial draws.

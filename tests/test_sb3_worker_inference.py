@@ -282,14 +282,15 @@ def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwarg
     load_weights(shipped, flatten_weights(ActorCriticDeployable(policy)))
     for seed in range(3):
         for deterministic in (False, True):
-            th.manual_seed(seed)
-            out = shipped.act(obs, deterministic=deterministic)
-            th.manual_seed(seed)
-            with th.no_grad():
-                actions, values, log_probs = policy(obs, deterministic=deterministic)
-            assert th.equal(out["actions"], actions)
-            assert th.equal(out["values"], values.flatten())
-            assert th.equal(out["log_probs"], log_probs)
+            for batch in (obs, obs[:5]):  # what it keeps between calls follows the weights and the batch
+                th.manual_seed(seed)
+                out = shipped.act(batch, deterministic=deterministic)
+                th.manual_seed(seed)
+                with th.no_grad():
+                    actions, values, log_probs = policy(batch, deterministic=deterministic)
+                assert th.equal(out["actions"], actions)
+                assert th.equal(out["values"], values.flatten())
+                assert th.equal(out["log_probs"], log_probs)
     assert "_mlp_forward" not in pickle.loads(cloudpickle.dumps(shipped)).__dict__
 
 
