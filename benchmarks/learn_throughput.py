@@ -17,7 +17,8 @@ PPO and SAC on HalfCheetah also with ``clusterenv_sb3.PPO``/``SAC`` (the policy 
 workers), without and with ``overlap_collection``. The time inside ``collect_rollouts`` and
 inside ``train`` is reported apart (with overlap, collection runs during training, so ``collect``
 is only the wait for it); ``setup`` is the rest of ``learn()`` (for worker-side inference:
-deploying the policy, the workers' torch start-up).
+deploying the policy); ``model`` is the algorithm's construction, before ``learn()`` (for
+worker-side inference it starts the workers' torch, beside the learner building its policy).
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, a
     construct = time.perf_counter() - started
     totals = {"collect_rollouts": 0.0, "train": 0.0}
     try:
+        started = time.perf_counter()
         model = run["algorithm"](functools.partial(algorithm_cls, **extra), env)
+        model_s = time.perf_counter() - started
         _timed(model, "collect_rollouts", totals)
         _timed(model, "train", totals)
         started = time.perf_counter()
@@ -122,6 +125,7 @@ def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, a
         "train_s": totals["train"],
         "setup_s": wall - totals["collect_rollouts"] - totals["train"],
         "construct_s": construct,
+        "model_s": model_s,
     }
 
 
@@ -155,7 +159,8 @@ def main() -> None:
                 measured[vec_name].append(row)
                 print(
                     f"{name:16s} {vec_name:30s} {row['steps_per_s']:7.0f} env steps/s  learn {row['learn_s']:6.1f} s"
-                    f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})",
+                    f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})"
+                    f"  model {row['model_s']:4.1f} s",
                     flush=True,
                 )
         rows = []
@@ -169,12 +174,12 @@ def main() -> None:
         results += rows
 
     print()
-    print("| run | vectorizer | env steps/s | vs Dummy | learn (s) | collect (s) | train (s) | setup (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| run | vectorizer | env steps/s | vs Dummy | learn (s) | collect (s) | train (s) | setup (s) | model (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in results:
         print(
             f"| {row['run']} | {row['vec_env']} | {row['steps_per_s']:,.0f} | {row['vs_dummy']:.2f}x | {row['learn_s']:.1f} |"
-            f" {row['collect_s']:.1f} | {row['train_s']:.1f} | {row['setup_s']:.1f} |"
+            f" {row['collect_s']:.1f} | {row['train_s']:.1f} | {row['setup_s']:.1f} | {row['model_s']:.1f} |"
         )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as file:

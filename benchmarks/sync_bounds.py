@@ -1,0 +1,302 @@
+"""What bounds a synchronous step on this machine: ClusterVecEnv beside the designs that bracket it.
+
+    python benchmarks/sync_bounds.py [--workloads halfcheetah cartpole] [--envs 16 32] [--seconds 60]
+                                     [--json benchmarks/results/sync_bounds.json]
+
+Every configuration steps the same envs with the same random actions:
+
+- ``DummyVecEnv``: the baseline, one process.
+- ``ClusterVecEnv``: the learner beside one worker per core; on two cores, three processes.
+- **bare three processes**: the same processes and the same waits as ``ClusterVecEnv`` (the first
+  worker polls for its next step, the second sleeps until woken, the learner sleeps until the
+  last reply) and nothing else: actions and observations in shared memory, one byte each way, no
+  rewards, flags, infos or checks. What separates ``ClusterVecEnv`` from it is ClusterEnv's own
+  work per step; what separates it from the lockstep pair is the learner being a third process.
+- **learner steps a block**: the learner steps ``num_envs / cores`` envs itself in a
+  ``DummyVecEnv`` while spinning ClusterEnv workers step the rest: one process per core, at the
+  price of the isolation ClusterEnv exists for (an env in the learner can hang it with no
+  timeout, crash it, or catch its Ctrl-C), so ClusterEnv does not do it.
+- **lockstep pair**: two processes, each stepping its half of the envs, meeting at a shared-memory
+  barrier after every step, with the learner out of the loop: the limit of any synchronous step
+  on two cores.
+
+The machine's speed drifts within seconds, so the configurations take turns in chunks of 100
+steps (each after 10 unmeasured ones) for ``--seconds`` per workload: all share the same drift.
+The table gives each configuration's steps/s over all its chunks, its ratio to DummyVecEnv, and
+the median and quartiles of the per-chunk ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.vec_env import DummyVecEnv
+
+from clusterenv_sb3 import ClusterVecEnv
+from throughput import CORES, TITLES, WORKLOADS
+
+CHUNK_STEPS = 100
+WARMUP_STEPS = 10
+WORKER_SPIN = 5e-4  # seconds the first worker polls for its next step, as ClusterEnv's local backend
+
+
+def _shared_arrays(num_envs: int, env: gym.Env) -> tuple[mmap.mmap, np.ndarray, np.ndarray]:
+    """Actions and observations of ``num_envs`` envs in one anonymous shared mapping (kept by fork)."""
+    obs_space, act_space = env.observation_space, env.action_space
+    obs_shape, act_shape = (num_envs, *obs_space.shape), (num_envs, *act_space.shape)
+    obs_bytes = int(np.prod(obs_shape)) * np.dtype(obs_space.dtype).itemsize
+    act_bytes = int(np.prod(act_shape)) * np.dtype(act_space.dtype).itemsize
+    memory = mmap.mmap(-1, obs_bytes + act_bytes)
+    obs = np.frombuffer(memory, dtype=obs_space.dtype, count=int(np.prod(obs_shape))).reshape(obs_shape)
+    actions = np.frombuffer(memory, dtype=act_space.dtype, count=int(np.prod(act_shape)), offset=obs_bytes)
+    return memory, obs, actions.reshape(act_shape)
+
+
+def _step_rows(envs: list, rows: range, actions: np.ndarray, obs: np.ndarray) -> None:
+    for row, env in zip(rows, envs):
+        observation, _, terminated, truncated, _ = env.step(actions[row])
+        if terminated or truncated:
+            observation, _ = env.reset()
+        obs[row] = observation
+
+
+def _bare_worker(env_fn: Callable, rows: range, obs: np.ndarray, actions: np.ndarray, sock: socket.socket, spin: float) -> None:
+    envs = [env_fn() for _ in rows]
+    for row, env in zip(rows, envs):
+        obs[row], _ = env.reset(seed=row)
+    sock.send(b"r")
+    while True:
+        message = None
+        deadline = time.perf_counter() + spin
+        while spin and message is None:
+            try:
+                message = sock.recv(1, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > deadline:
+                    break
+        if message is None:
+            message = sock.recv(1)
+        if message != b"s":
+            return
+        _step_rows(envs, rows, actions, obs)
+        sock.send(b"d")
+
+
+class BareThreeProcesses:
+    """ClusterVecEnv's processes and waits with nothing else: one worker per core, the first polling."""
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]]) -> None:
+        probe = env_fns[0]()
+        self.memory, self.obs, self.actions = _shared_arrays(len(env_fns), probe)
+        probe.close()
+        context = multiprocessing.get_context("fork")
+        self.sockets, self.processes = [], []
+        for worker, rows in enumerate(np.array_split(np.arange(len(env_fns)), CORES)):
+            mine, theirs = socket.socketpair()
+            spin = WORKER_SPIN if worker < CORES - 1 else 0.0
+            block = range(int(rows[0]), int(rows[-1]) + 1)
+            args = (env_fns[block.start], block, self.obs, self.actions, theirs, spin)
+            process = context.Process(target=_bare_worker, args=args, daemon=True)
+            process.start()
+            theirs.close()
+            mine.recv(1)  # its envs are built
+            self.sockets.append(mine)
+            self.processes.append(process)
+
+    def reset(self) -> np.ndarray:
+        return self.obs.copy()
+
+    def step(self, actions: np.ndarray) -> np.ndarray:
+        self.actions[...] = actions
+        for sock in self.sockets:
+            sock.send(b"s")
+        for sock in reversed(self.sockets):  # the sleeping worker answers last, as in ClusterVecEnv
+            sock.recv(1)
+        return self.obs.copy()
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.send(b"q")
+        for process in self.processes:
+            process.join(timeout=10)
+
+
+def _lockstep_worker(env_fn: Callable, rows: range, index: int, counts: np.ndarray, actions: list, conn: Any) -> None:
+    envs = [env_fn() for _ in rows]
+    for row, env in zip(rows, envs):
+        env.reset(seed=row)
+    other, done = 1 - index, 0
+    while True:
+        steps = conn.recv()
+        if steps is None:
+            return
+        started = time.perf_counter()
+        for _ in range(steps):
+            for env, action in zip(envs, actions[done % len(actions)][rows.start : rows.stop]):
+                _, _, terminated, truncated, _ = env.step(action)
+                if terminated or truncated:
+                    env.reset()
+            done += 1
+            counts[index] = done
+            while counts[other] < done:  # the barrier: both cores stay busy, so spinning is cheap here
+                pass
+        conn.send(time.perf_counter() - started)
+
+
+class LockstepPair:
+    """Two processes stepping half the envs each, a spin barrier after every step, no learner."""
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]], actions: list[np.ndarray]) -> None:
+        if CORES != 2:
+            raise ValueError("the lockstep pair is a two-core measurement")
+        self.memory = mmap.mmap(-1, 16)
+        counts = np.frombuffer(self.memory, dtype=np.int64, count=2)
+        context = multiprocessing.get_context("fork")
+        half = len(env_fns) // 2
+        self.pipes, self.processes = [], []
+        for index, rows in enumerate((range(0, half), range(half, len(env_fns)))):
+            mine, theirs = context.Pipe()
+            args = (env_fns[rows.start], rows, index, counts, actions, theirs)
+            process = context.Process(target=_lockstep_worker, args=args, daemon=True)
+            process.start()
+            self.pipes.append(mine)
+            self.processes.append(process)
+
+    def run(self, steps: int) -> float:
+        """Seconds for ``steps`` steps of both halves (the learner sleeps meanwhile)."""
+        for pipe in self.pipes:
+            pipe.send(steps)
+        return max(pipe.recv() for pipe in self.pipes)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.processes:
+            process.join(timeout=10)
+
+
+class LearnerStepsABlock:
+    """The learner's own block in a ``DummyVecEnv`` beside ClusterEnv workers for the others."""
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]]) -> None:
+        self.split = len(env_fns) // CORES
+        self.own = DummyVecEnv(env_fns[: self.split])
+        workers = CORES - 1
+        self.remote = ClusterVecEnv(env_fns[self.split :], num_workers=workers, spinning_workers=workers)
+
+    def reset(self) -> np.ndarray:
+        return np.concatenate([self.own.reset(), self.remote.reset()])
+
+    def step(self, actions: np.ndarray) -> tuple:
+        self.remote.step_async(actions[self.split :])
+        own = self.own.step(actions[: self.split])
+        remote = self.remote.step_wait()
+        return (*(np.concatenate(pair) for pair in zip(own[:3], remote[:3])), own[3] + remote[3])
+
+    def close(self) -> None:
+        self.own.close()
+        self.remote.close()
+
+
+def _chunk(venv: Any, actions: list[np.ndarray], start: int) -> float:
+    """Seconds for ``CHUNK_STEPS`` steps of ``venv``, after ``WARMUP_STEPS`` unmeasured ones."""
+    if isinstance(venv, LockstepPair):
+        venv.run(WARMUP_STEPS)
+        return venv.run(CHUNK_STEPS)
+    for step in range(WARMUP_STEPS):
+        venv.step(actions[(start + step) % len(actions)])
+    started = time.perf_counter()
+    for step in range(CHUNK_STEPS):
+        venv.step(actions[(start + step) % len(actions)])
+    return time.perf_counter() - started
+
+
+def measure(workload: str, num_envs: int, seconds: float) -> list[dict]:
+    env_fns = [WORKLOADS[workload][0]] * num_envs
+    action_space = env_fns[0]().action_space
+    action_space.seed(0)
+    actions = [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(64)]
+    makers: dict[str, Callable[[], Any]] = {
+        "DummyVecEnv": lambda: DummyVecEnv(env_fns),
+        "ClusterVecEnv": lambda: ClusterVecEnv(env_fns),
+        "bare three processes": lambda: BareThreeProcesses(env_fns),
+        "learner steps a block": lambda: LearnerStepsABlock(env_fns),
+        "lockstep pair": lambda: LockstepPair(env_fns, actions),
+    }
+    venvs: dict[str, Any] = {}
+    try:
+        for name, make in makers.items():
+            venvs[name] = make()
+            if not isinstance(venvs[name], LockstepPair):
+                venvs[name].reset()
+        chunks: dict[str, list[float]] = {name: [] for name in venvs}
+        deadline, start = time.perf_counter() + seconds, 0
+        while time.perf_counter() < deadline:
+            for name, venv in venvs.items():
+                chunks[name].append(_chunk(venv, actions, start))
+            start += CHUNK_STEPS
+    finally:
+        for venv in venvs.values():
+            venv.close()
+    dummy = np.array(chunks["DummyVecEnv"])
+    rows = []
+    for name, times in chunks.items():
+        times = np.array(times)
+        per_chunk = dummy / times  # a chunk's speed relative to the DummyVecEnv chunk just before it
+        rows.append({
+            "workload": workload,
+            "env": TITLES[workload],
+            "num_envs": num_envs,
+            "config": name,
+            "chunks": len(times),
+            "steps_per_s": len(times) * CHUNK_STEPS * num_envs / times.sum(),
+            "vs_dummy": dummy.sum() / times.sum(),
+            "chunk_ratio_quartiles": np.percentile(per_chunk, [25, 50, 75]).tolist(),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=["halfcheetah", "cartpole"], choices=list(WORKLOADS))
+    parser.add_argument("--envs", type=int, nargs="+", default=[16, 32], help="one count per workload, in order")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of turns per workload")
+    parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "sync_bounds.json"))
+    args = parser.parse_args()
+    if CORES != 2:
+        raise SystemExit(f"the bounds are measured for two cores; this machine has {CORES}")
+
+    results = []
+    for workload, num_envs in zip(args.workloads, args.envs):
+        rows = measure(workload, num_envs, args.seconds)
+        results += rows
+        for row in rows:
+            print(f"{row['env']:16s} {num_envs:3d} envs  {row['config']:22s} {row['steps_per_s']:9.0f} steps/s", flush=True)
+
+    print()
+    print("| env | envs | configuration | steps/s | vs DummyVecEnv | per-chunk ratio: median (quartiles) |")
+    print("|---|---:|---|---:|---:|---|")
+    for row in results:
+        low, median, high = row["chunk_ratio_quartiles"]
+        print(
+            f"| {row['env']} | {row['num_envs']} | {row['config']} | {row['steps_per_s']:,.0f} |"
+            f" {row['vs_dummy']:.2f}x | {median:.2f}x ({low:.2f}–{high:.2f}) |"
+        )
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as file:
+        json.dump({"cores": CORES, "seconds": args.seconds, "chunk_steps": CHUNK_STEPS, "results": results}, file, indent=2)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
