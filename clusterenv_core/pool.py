@@ -380,7 +380,7 @@ class EnvPool(DeprecatedPoolMethods):
         self._check_usable()
         self._check_not_stepping()
         if self.batches is not None:
-            raise ClusterEnvError("preload before starting asynchronous batches, whose steps start without waiting for it")
+            raise ClusterEnvError("preload before async_batches: asynchronous steps do not wait for earlier replies")
         modules = tuple(modules)
         for name in modules:
             if not isinstance(name, str):
