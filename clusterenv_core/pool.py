@@ -295,8 +295,7 @@ class EnvPool(DeprecatedPoolMethods):
             infos.update(parts.get("infos", ()))
             reset_infos.update(parts.get("reset_infos", ()))
             final_obs.update(parts.get("final_obs", ()))
-            if "obs" in parts:
-                self._store_pickled_obs(parts)
+            self._store_pickled_obs(parts)
         if self.restart_failed_envs:
             self.restarts["envs"] += sum(RESTART_INFO_KEY in info for info in infos.values())
         buffers = self.buffers
@@ -502,10 +501,7 @@ class EnvPool(DeprecatedPoolMethods):
         for worker in workers:
             request_type = awaiting.get(worker)
             try:
-                if request_type is None:  # a step: never progress reports, never rows to receive after
-                    status, result = transport.recv_step(worker, timeout)
-                else:
-                    status, result = _read_reply(transport, worker, request_type, _reply_timeout(request_type, timeout))
+                status, result = _read_reply(transport, worker, request_type, _reply_timeout(request_type, timeout))
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not step:
                     raise self._fail(error)

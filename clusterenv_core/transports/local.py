@@ -368,10 +368,7 @@ class LocalTransport(Transport):
         self._send_frame(worker, _frame(message))
 
     def send_step(self, worker: int) -> None:
-        try:
-            self.sockets[worker].sock.sendall(_STEP_FRAME)
-        except OSError as error:
-            raise self._lost(worker, f"cannot send to it ({error})") from error
+        self._send_frame(worker, _STEP_FRAME)
 
     def _send_frame(self, worker: int, frame: bytes) -> None:
         try:
@@ -510,7 +507,7 @@ class LocalWorkerConnection(WorkerConnection):
 
     def _send_frame(self, frame: bytes) -> None:
         try:
-            self.channel.sock.sendall(frame)
+            self.channel.send_frame(frame)
         except OSError:
             pass  # the learner is gone; the next recv ends the loop
 
