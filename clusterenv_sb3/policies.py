@@ -6,11 +6,12 @@ The learner keeps a wrapper around its *live* policy (same parameters, updated i
 training); :meth:`deployable_copy` makes the copy that is shipped to the workers. Copies never
 carry the optimizer (nor the last distribution SB3 caches on the policy): only the networks.
 
-- :class:`ActorCriticDeployable` wraps an ``ActorCriticPolicy`` (PPO, A2C): ``act`` is the
-  policy's ``forward`` (actions, values, log-probabilities) and adds the actions the envs receive,
-  clipped to the Box bounds or unscaled as SB3's ``collect_rollouts`` does. For SB3's
-  ``MlpPolicy`` with a Gaussian or categorical distribution it runs :class:`_MlpForward`, the same
-  operations without SB3's module and distribution objects (a third less time, same numbers).
+- :class:`ActorCriticDeployable` wraps an ``ActorCriticPolicy`` (PPO, A2C): ``act`` gives the
+  actions and log-probabilities of the policy's ``forward`` (not its values: the learner
+  recomputes values for the whole segment, so the workers skip the critic) and adds the actions
+  the envs receive, clipped to the Box bounds or unscaled as SB3's ``collect_rollouts`` does. For
+  SB3's ``MlpPolicy`` with a Gaussian or categorical distribution it runs :class:`_MlpForward`,
+  the same operations without SB3's module and distribution objects (same numbers, half the time).
 - :class:`QNetworkDeployable` wraps a DQN ``QNetwork``: ``act(obs, epsilon=...)`` is
   epsilon-greedy per env, random draws from the worker's torch generator (seeded per worker by
   ``EnvPool.deploy(seed=...)``).
@@ -120,14 +121,14 @@ class ActorCriticDeployable(_Deployable):
 
     @th.no_grad()
     def act(self, obs: Any, deterministic: bool = False) -> dict[str, th.Tensor]:
-        """The policy's ``forward``: ``actions`` (what SB3 stores in its buffer), ``env_actions``
-        (Box spaces: what SB3 sends to the envs), ``values`` and ``log_probs``."""
+        """What the policy's ``forward`` draws: ``actions`` (what SB3 stores in its buffer) and
+        ``log_probs``, and ``env_actions`` (Box spaces: what SB3 sends to the envs)."""
         policy = self.policy
         mlp_forward = self.__dict__.get("_mlp_forward")
         if mlp_forward is None:
             mlp_forward = self.__dict__["_mlp_forward"] = _MlpForward.of(policy) or _generic_forward
-        actions, values, log_probs = mlp_forward(policy, _to_device(obs, policy.device), deterministic)
-        out = {"actions": actions, "values": values.flatten(), "log_probs": log_probs}
+        actions, log_probs = mlp_forward(policy, _to_device(obs, policy.device), deterministic)
+        out = {"actions": actions, "log_probs": log_probs}
         if self._box:
             low, high = self._low.to(actions.device), self._high.to(actions.device)
             if self._squash:
@@ -153,7 +154,19 @@ class ActorCriticDeployable(_Deployable):
 
 
 def _generic_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
-    return policy(obs, deterministic=deterministic)
+    """``(actions, log_probs)`` as ``policy.forward`` draws them. With SB3's own ``forward``, through
+    ``get_distribution``: the same operations for the actor, none for the critic (which may have
+    its own features extractor); an overridden one runs as it is."""
+    policy_class = type(policy)
+    if all(
+        getattr(policy_class, name) is getattr(ActorCriticPolicy, name)
+        for name in ("forward", "get_distribution", "extract_features")
+    ):
+        distribution = policy.get_distribution(obs)
+        actions = distribution.get_actions(deterministic=deterministic)
+        return actions.reshape((-1, *policy.action_space.shape)), distribution.log_prob(actions)
+    actions, _, log_probs = policy(obs, deterministic=deterministic)
+    return actions, log_probs
 
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
@@ -185,17 +198,15 @@ def _run_layers(layers: list, x: th.Tensor) -> th.Tensor:
 
 
 class _MlpForward:
-    """SB3's ``ActorCriticPolicy.forward`` for an ``MlpPolicy`` (flattened Box observations, an
-    ``MlpExtractor`` of Linear/Tanh/ReLU layers, a diagonal Gaussian or categorical distribution),
-    operation for operation and drawing the same random numbers, without SB3's module calls and
-    distribution objects: ``act`` on 8 observations takes 118 instead of 176 µs for HalfCheetah
-    (Gaussian) and 136 instead of 208 µs for CartPole (categorical), on the workers' critical path.
-    The parameters are the policy's own (weights load into them in place).
+    """The actor's half of SB3's ``ActorCriticPolicy.forward`` for an ``MlpPolicy`` (flattened Box
+    observations, an ``MlpExtractor`` of Linear/Tanh/ReLU layers, a diagonal Gaussian or
+    categorical distribution), operation for operation and drawing the same random numbers, without
+    SB3's module calls and distribution objects. The parameters are the policy's own (weights load
+    into them in place).
     """
 
-    def __init__(self, pi_layers: list, vf_layers: list, gaussian: bool) -> None:
+    def __init__(self, pi_layers: list, gaussian: bool) -> None:
         self.pi_layers = pi_layers
-        self.vf_layers = vf_layers
         self.gaussian = gaussian
         # The Gaussian's std and the terms of its log-probability that depend on log_std only,
         # computed as SB3 computes them: kept while log_std keeps its version (loading weights
@@ -214,25 +225,20 @@ class _MlpForward:
             and not any(module._forward_hooks or module._forward_pre_hooks for module in policy.modules())
             and isinstance(policy.observation_space, spaces.Box)
             and type(policy.features_extractor) is FlattenExtractor
-            and (policy.share_features_extractor or type(policy.vf_features_extractor) is FlattenExtractor)
             and type(policy.mlp_extractor) is MlpExtractor
             and type(policy.action_net) is th.nn.Linear
-            and type(policy.value_net) is th.nn.Linear
             and type(policy.action_dist) in (DiagGaussianDistribution, CategoricalDistribution)
         )
         if not plain:
             return None
         pi_layers = _mlp_layers(policy.mlp_extractor.policy_net)
-        vf_layers = _mlp_layers(policy.mlp_extractor.value_net)
-        if pi_layers is None or vf_layers is None:
+        if pi_layers is None:
             return None
         pi_layers.append((policy.action_net.weight, policy.action_net.bias))
-        vf_layers.append((policy.value_net.weight, policy.value_net.bias))
-        return cls(pi_layers, vf_layers, type(policy.action_dist) is DiagGaussianDistribution)
+        return cls(pi_layers, type(policy.action_dist) is DiagGaussianDistribution)
 
     def __call__(self, policy: ActorCriticPolicy, obs: th.Tensor, deterministic: bool) -> tuple:
         features = preprocess_obs(obs, policy.observation_space, normalize_images=policy.normalize_images).flatten(1)
-        values = _run_layers(self.vf_layers, features)
         out = _run_layers(self.pi_layers, features)
         if self.gaussian:
             # torch's Normal(mean, std): sample() is torch.normal, log_prob its closed form; SB3 sums
@@ -255,7 +261,7 @@ class _MlpForward:
             else:
                 actions = th.multinomial(probs, 1, True).T.reshape(probs.shape[:-1])
             log_probs = logits.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        return actions.reshape((-1, *policy.action_space.shape)), values, log_probs
+        return actions.reshape((-1, *policy.action_space.shape)), log_probs
 
 
 class QNetworkDeployable(_Deployable):

@@ -231,10 +231,9 @@ def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
     out = wrapper.act(obs)
     th.manual_seed(5)
     with th.no_grad():
-        actions, values, log_probs = policy(obs)
-    th.testing.assert_close(out["actions"], actions)
-    th.testing.assert_close(out["values"], values.flatten())
-    th.testing.assert_close(out["log_probs"], log_probs)
+        actions, _, log_probs = policy(obs)
+    assert th.equal(out["actions"], actions) and th.equal(out["log_probs"], log_probs)
+    assert "values" not in out  # the learner computes the values of a segment itself
     if isinstance(action_space, spaces.Box):
         # Exactly what SB3's collect_rollouts sends to the envs.
         np.testing.assert_array_equal(out["env_actions"].numpy(), np.clip(actions.numpy(), action_space.low, action_space.high))
@@ -265,8 +264,8 @@ def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
     ids=["discrete", "gaussian", "relu-unshared", "uneven-nets"],
 )
 def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwargs):
-    """The shipped copy runs _MlpForward: the same actions, values and log-probs as SB3's forward,
-    exactly, for the same seed, also with weights loaded into it after shipping."""
+    """The shipped copy runs _MlpForward: the same actions and log-probs as SB3's forward, exactly,
+    for the same seed, also with weights loaded into it after shipping."""
     policy = _ppo_policy(action_space, **policy_kwargs)
     obs = th.rand(8, 3) * 2 - 1
     learner = ActorCriticDeployable(policy)
@@ -287,11 +286,42 @@ def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwarg
                 out = shipped.act(batch, deterministic=deterministic)
                 th.manual_seed(seed)
                 with th.no_grad():
-                    actions, values, log_probs = policy(batch, deterministic=deterministic)
+                    actions, _, log_probs = policy(batch, deterministic=deterministic)
                 assert th.equal(out["actions"], actions)
-                assert th.equal(out["values"], values.flatten())
                 assert th.equal(out["log_probs"], log_probs)
     assert "_mlp_forward" not in pickle.loads(cloudpickle.dumps(shipped)).__dict__
+
+
+@pytest.mark.parametrize("share_features_extractor", [True, False])
+def test_other_policies_draw_what_sb3s_forward_draws_without_running_the_critic(share_features_extractor):
+    image_space = spaces.Box(0, 255, (1, 36, 36), np.uint8)
+    policy = sb3.common.policies.ActorCriticCnnPolicy(
+        image_space, spaces.Discrete(3), lambda _: 3e-4, share_features_extractor=share_features_extractor
+    )
+    critic_calls = []
+    policy.value_net.register_forward_hook(lambda *args: critic_calls.append(1))
+    obs = th.randint(0, 256, (4, 1, 36, 36), dtype=th.uint8)
+    th.manual_seed(3)
+    out = ActorCriticDeployable(policy).act(obs)
+    assert not critic_calls
+    th.manual_seed(3)
+    with th.no_grad():
+        actions, _, log_probs = policy(obs)
+    assert th.equal(out["actions"], actions) and th.equal(out["log_probs"], log_probs)
+
+    class OwnForward(ActorCriticPolicy):
+        def forward(self, obs, deterministic=False):
+            actions, values, log_probs = super().forward(obs, deterministic)
+            return actions, values, log_probs - 1.0
+
+    own = OwnForward(spaces.Box(-1.0, 1.0, (3,), np.float32), spaces.Discrete(2), lambda _: 3e-4)
+    obs = th.rand(5, 3)
+    th.manual_seed(4)
+    out = ActorCriticDeployable(own).act(obs)
+    th.manual_seed(4)
+    with th.no_grad():
+        actions, _, log_probs = own(obs)
+    assert th.equal(out["actions"], actions) and th.equal(out["log_probs"], log_probs)  # its forward ran
 
 
 def test_policies_other_than_plain_mlp_keep_sb3s_forward():
