@@ -579,6 +579,12 @@ class EnvPool(DeprecatedPoolMethods):
         """The process id of each worker (an MPI rank's on its own host): to watch CPU or memory."""
         return self._transport.worker_pids()
 
+    @property
+    def workers_on_this_host(self) -> int:
+        """How many workers share the learner's machine (the local backend's all; MPI ranks on other
+        hosts do not count): the cores they take while they step or collect are not the learner's."""
+        return self._transport.workers_on_this_host()
+
     def close(self) -> None:
         """Stop every worker and free every resource; idempotent, also runs at interpreter exit."""
         if self._closed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
 
 import cloudpickle
@@ -668,6 +669,35 @@ def test_workers_start_torch_when_the_algorithm_is_made():
         assert len(asked) == 1 and "torch" in asked[0]
         assert env.pool.call("has_module", ["torch"]) == [True, True]
     finally:
+        env.close()
+
+
+def test_overlapped_learning_keeps_torch_off_the_workers_cores():
+    """With overlap the learner trains while its machine's workers collect: during learn() torch uses
+    the cores they leave (at least one thread); the caller's setting comes back afterwards."""
+
+    class Threads(BaseCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[int] = set()
+
+        def _on_step(self) -> bool:
+            self.seen.add(th.get_num_threads())
+            return True
+
+    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=2)
+    threads = th.get_num_threads()
+    try:
+        assert env.pool.workers_on_this_host == 2
+        th.set_num_threads(len(os.sched_getaffinity(0)) + 2)
+        for overlap, expected in ((True, {max(1, len(os.sched_getaffinity(0)) - 2)}), (False, {th.get_num_threads()})):
+            model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, n_epochs=1, device="cpu", overlap_collection=overlap)
+            callback = Threads()
+            model.learn(64, callback=callback)
+            assert callback.seen == expected
+            assert th.get_num_threads() == len(os.sched_getaffinity(0)) + 2
+    finally:
+        th.set_num_threads(threads)
         env.close()
 
 

@@ -54,6 +54,11 @@ class Transport(ABC):
     def worker_pids(self) -> list[int]:
         """The process id of each worker (on its own host), for monitoring."""
 
+    def workers_on_this_host(self) -> int:
+        """How many workers run on the learner's machine and share its cores (all, unless the
+        backend knows better)."""
+        return self.num_workers
+
     @abstractmethod
     def start(self, num_workers: int, timeout: float) -> None:
         """Launch (or attach to) ``num_workers`` workers that wait for their first message."""

@@ -98,6 +98,7 @@ def hang() -> None:
 
 def close_exit() -> None:
     pool = make_pool()
+    assert pool.workers_on_this_host == 2  # every rank of this launch runs here
     pool.reset(seeds=[0, 1, 2, 3])
     for _ in range(10):
         step(pool)

@@ -147,6 +147,9 @@ class MPITransport(Transport):
     def worker_pids(self) -> list[int]:
         return list(self.pids)  # reported by the ranks at the handshake
 
+    def workers_on_this_host(self) -> int:
+        return sum(host == HOST for host in self.hosts)
+
     def default_num_workers(self) -> int | None:
         """The number of worker ranks a world launch provides (``None`` in spawn mode)."""
         MPI = mpi()
