@@ -178,6 +178,7 @@ class WorkerActors:
             last_obs=obs_layout.batch(region.last_obs),
             infos=infos,
             reset_infos=reset_infos,
+            collect_seconds=max(result["seconds"] for result in results.values()),
             pickled_final_obs=pickled_final_obs,
             _final_obs=[array.swapaxes(0, 1) for array in region.final_obs],
             _obs_layout=obs_layout,

@@ -133,7 +133,8 @@ class Weights(Request):
 @dataclass(frozen=True)
 class Rollout(Request):
     """Collect ``n_steps`` steps of every env with the deployed policy into the region ``handle``;
-    the result is ``{"steps": {t: StepParts}}`` or ``None``, and the segment's rows follow."""
+    the result is ``{"seconds": <how long the worker took>}`` and, when any step returned more
+    than the buffers hold, ``"steps": {t: StepParts}``; the segment's rows follow."""
 
     REPLY_ROWS: ClassVar[bool] = True  # the observations after the segment
     REPLY_ARRAYS: ClassVar[bool] = True  # the worker's rows of the segment region

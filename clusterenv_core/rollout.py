@@ -70,6 +70,8 @@ class Rollout:
     observation is already the reset one (``same_step`` autoreset) and the last one is
     :meth:`final_observation`. ``last_obs`` follows the last step. ``versions[t]`` is the weights
     version each step acted with; ``log_probs``/``values`` are zeros unless the policy returns them.
+    ``collect_seconds`` is the longest time a worker spent collecting its part (stepping its envs
+    and acting): beside the time the learner waited, it tells who waits for whom.
     """
 
     obs: Any
@@ -83,6 +85,7 @@ class Rollout:
     last_obs: Any
     infos: list[dict[int, dict]]
     reset_infos: list[dict[int, dict]]
+    collect_seconds: float = 0.0
     pickled_final_obs: dict[tuple[int, int], Any] = field(default_factory=dict)
     _final_obs: list[np.ndarray] = field(default_factory=list)
     _obs_layout: SpaceLayout | None = None

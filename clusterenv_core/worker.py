@@ -259,14 +259,16 @@ class EnvBlock:
                 infos[index] = info
         return _parts(infos=infos, obs=pickled_obs)
 
-    def rollout(self, n_steps: int, context: dict, host, arrays, report: Callable[[int], None], report_every: float) -> dict | None:
+    def rollout(self, n_steps: int, context: dict, host, arrays, report: Callable[[int], None], report_every: float) -> dict:
         """Run ``n_steps`` steps of every env, acting with the local policy copy, into ``arrays``
         (a :class:`~clusterenv_core.rollout.RolloutArrays` whose rows start at ``arrays.row0``).
 
         Each step goes through :meth:`step`, so autoreset, restarts and infos behave as in a
-        learner-driven step; returns the non-empty step results by step index. ``report(steps)``
+        learner-driven step; returns the seconds the segment took (``"seconds"``) and the
+        non-empty step results by step index (``"steps"``, when there are any). ``report(steps)``
         runs after a step when ``report_every`` seconds passed since the start or the last report.
         """
+        started = time.perf_counter()
         next_report = time.monotonic() + report_every
         buffers, rows = self.buffers, self.rows
         segment = slice(arrays.row0, arrays.row0 + len(self.envs))
@@ -299,7 +301,10 @@ class EnvBlock:
                 next_report = time.monotonic() + report_every
         for kept, now in zip(arrays.last_obs, buffers.obs):
             kept[segment] = now[rows]
-        return {"steps": steps} if steps else None
+        result: dict[str, Any] = {"seconds": time.perf_counter() - started}
+        if steps:
+            result["steps"] = steps
+        return result
 
     def call(self, name: str, args: tuple, kwargs: dict, slots: list[int], require_callable: bool) -> list:
         """Look ``name`` up through the wrappers of each selected env; call it if callable.
@@ -501,7 +506,7 @@ class Worker:
     def weights(self, request: protocol.Weights) -> None:
         self.connection.recv_arrays(self.host.weights.arrays)
 
-    def rollout(self, request: protocol.Rollout) -> tuple[dict | None, list[np.ndarray]]:
+    def rollout(self, request: protocol.Rollout) -> tuple[dict, list[np.ndarray]]:
         arrays = self._segment_region(request)
 
         def report(steps: int) -> None:

@@ -23,10 +23,9 @@ Design:
 - SAC and TD3 deploy the actor only; the context says whether the segment is warm-up (uniform
   random actions before ``learning_starts``) and carries Gaussian exploration noise, which the
   workers draw per env and step.
-- With ``overlap_collection`` the learner trains while the workers collect: during ``learn()`` its
-  torch uses as many threads as the cores its machine's workers leave (at least one), so that its
-  threads do not take the workers' cores (torch's default of one per core made overlapped PPO on
-  HalfCheetah 40% slower here).
+- With ``overlap_collection`` the learner trains while the workers collect: its torch threads start
+  within the cores its machine's workers leave, and get the caller's setting back once the learner
+  is the bottleneck (:class:`_LearnerThreads`).
 - The env must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`: workers step the raw envs, so
   VecEnv wrappers (``VecNormalize``, ``VecFrameStack``, ``VecTransposeImage``, ...) would never see
   the data; they are refused instead of silently bypassed.
@@ -34,9 +33,8 @@ Design:
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
+import time
 from typing import Any
 
 import numpy as np
@@ -95,18 +93,47 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-@contextlib.contextmanager
-def _torch_threads_at_most(limit: int) -> Iterator[None]:
-    """Cap torch's intra-op threads at ``limit`` inside the block (cheap: under a microsecond)."""
-    threads = th.get_num_threads()
-    if threads <= limit:
-        yield
-        return
-    th.set_num_threads(limit)
-    try:
-        yield
-    finally:
-        th.set_num_threads(threads)
+class _LearnerThreads:
+    """The learner's torch threads during an overlapped ``learn()``, where it works while this
+    machine's workers collect the next segment.
+
+    They start within the cores those workers leave (at least one thread): while the learner waits
+    for the workers, its threads would only take their cores (with torch's default of one per core,
+    overlapped PPO on HalfCheetah ran 40% slower here). Once the workers collected two segments in a
+    row in well under the time between them, they are what waits, for the learner (a CNN's
+    training, many gradient steps per segment): it gets the caller's threads back (capped, PPO on
+    Pong ran 20% slower). :meth:`restore` ends ``learn()`` with the caller's setting.
+
+    :param cap: the threads to start with; no change when the caller's setting is not above it
+    """
+
+    #: the workers wait for the learner when collecting a segment took less than this part of the
+    #: time between two segments (they collect all the time while the learner waits for them)
+    IDLE_WORKERS_FRACTION = 2 / 3
+
+    def __init__(self, cap: int) -> None:
+        self.threads = th.get_num_threads()
+        self.capped = cap < self.threads
+        self.idle_in_a_row = 0
+        self._last_arrival: float | None = None
+        if self.capped:
+            th.set_num_threads(cap)
+
+    def segment_arrived(self, collect_seconds: float, ahead: bool) -> None:
+        """A segment arrived that the workers took ``collect_seconds`` to collect; ``ahead``: it was
+        started before the learner's last update (the first of a ``learn()`` is not)."""
+        now = time.perf_counter()
+        if ahead and self.capped and self._last_arrival is not None:
+            workers_idle = collect_seconds < self.IDLE_WORKERS_FRACTION * (now - self._last_arrival)
+            self.idle_in_a_row = self.idle_in_a_row + 1 if workers_idle else 0
+            if self.idle_in_a_row >= 2:
+                self.restore()
+        self._last_arrival = now
+
+    def restore(self) -> None:
+        if self.capped:
+            th.set_num_threads(self.threads)
+            self.capped = False
 
 
 def _index(obs: Any, key: Any) -> Any:
@@ -197,6 +224,7 @@ class WorkerInferenceMixin:
         self._policy_sync = None
         self._deployed_pool = None
         self._started: tuple[int, dict] | None = None  # (n_steps, context) of a segment being collected
+        self._learner_threads: _LearnerThreads | None = None  # during an overlapped learn()
         if getattr(self, "use_sde", False):
             raise ValueError(
                 "gSDE (use_sde=True) is not supported with worker-side inference: its exploration matrix is "
@@ -237,7 +265,7 @@ class WorkerInferenceMixin:
         super().set_env(env, force_reset)
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started"]
+        return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started", "_learner_threads"]
 
     def _setup_learn(self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> tuple[int, BaseCallback]:
         check_cluster_vec_env(self.env, self._algorithm_name())
@@ -268,18 +296,15 @@ class WorkerInferenceMixin:
         return make_deployable(acting)
 
     def learn(self, *args: Any, **kwargs: Any) -> Any:
+        if self.overlap_collection and isinstance(self.env, ClusterVecEnv) and not self.env.pool.closed:
+            self._learner_threads = _LearnerThreads(max(1, _usable_cores() - self.env.pool.workers_on_this_host))
         try:
-            with self._learner_threads():
-                return super().learn(*args, **kwargs)
+            return super().learn(*args, **kwargs)
         finally:
             self._drain_started()
-
-    def _learner_threads(self) -> contextlib.AbstractContextManager:
-        """With overlap, the learner works while this machine's workers collect: its torch threads
-        stay within the cores they leave (at least one)."""
-        if not self.overlap_collection or not isinstance(self.env, ClusterVecEnv) or self.env.pool.closed:
-            return contextlib.nullcontext()
-        return _torch_threads_at_most(max(1, _usable_cores() - self.env.pool.workers_on_this_host))
+            if self._learner_threads is not None:
+                self._learner_threads.restore()
+                self._learner_threads = None
 
     def train(self, *args: Any, **kwargs: Any) -> None:
         """SB3's update, then the sync decision (push the new weights, or not)."""
@@ -304,8 +329,10 @@ class WorkerInferenceMixin:
             sync.actors.rollout_async(n_steps, context)
         elif self._started[0] != n_steps:
             raise RuntimeError(f"a segment of {self._started[0]} steps was started ahead, {n_steps} are needed")
-        self._started = None
+        ahead, self._started = self._started is not None, None
         rollout = sync.actors.rollout_wait()  # the pool's timeout bounds the time without progress
+        if self._learner_threads is not None:
+            self._learner_threads.segment_arrived(rollout.collect_seconds, ahead)
         sync.record_rollout(rollout.versions)
         if sync.mode == "aaps":
             sync.observe(rollout.obs)

@@ -140,6 +140,11 @@ def test_an_interrupted_rollout_is_finished_by_the_next_call():
         assert actors.pending
         assert actors.rollout(3).rewards.shape == (3, 2)  # the interrupted segment ended first
         assert not actors.pending
+        started = time.perf_counter()
+        actors.rollout_async(4)
+        time.sleep(0.5)  # the learner busy elsewhere: the workers' time does not count it
+        rollout = actors.rollout_wait()
+        assert 4 * 0.05 <= rollout.collect_seconds < 0.45 < time.perf_counter() - started
 
 
 def test_published_weights_reach_workers_and_versions_are_recorded():

@@ -689,6 +689,7 @@ def test_overlapped_learning_keeps_torch_off_the_workers_cores():
     threads = th.get_num_threads()
     try:
         assert env.pool.workers_on_this_host == 2
+        # Two segments: the second is collected during the first update (no time to judge who waits).
         th.set_num_threads(len(os.sched_getaffinity(0)) + 2)
         for overlap, expected in ((True, {max(1, len(os.sched_getaffinity(0)) - 2)}), (False, {th.get_num_threads()})):
             model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, n_epochs=1, device="cpu", overlap_collection=overlap)
@@ -699,6 +700,32 @@ def test_overlapped_learning_keeps_torch_off_the_workers_cores():
     finally:
         th.set_num_threads(threads)
         env.close()
+
+
+def test_learner_gets_its_threads_back_once_the_workers_wait_for_it(monkeypatch):
+    from clusterenv_sb3 import algorithms
+
+    clock = [0.0]
+    monkeypatch.setattr(algorithms.time, "perf_counter", lambda: clock[0])
+    threads = th.get_num_threads()
+    th.set_num_threads(3)
+    try:
+        learner = algorithms._LearnerThreads(cap=1)
+        assert th.get_num_threads() == 1
+        learner.segment_arrived(5.0, ahead=False)  # the first segment of learn(): collected while it waited
+        for collect_seconds in (0.9, 0.95, 0.5, 0.9, 0.5):  # busy workers, or idle once at a time
+            clock[0] += 1.0
+            learner.segment_arrived(collect_seconds, ahead=True)
+            assert th.get_num_threads() == 1
+        clock[0] += 1.0
+        learner.segment_arrived(0.5, ahead=True)  # twice in a row the workers waited for the learner
+        assert th.get_num_threads() == 3 and not learner.capped
+        learner.restore()
+        assert th.get_num_threads() == 3
+        algorithms._LearnerThreads(cap=4).restore()  # already within the cap: left alone
+        assert th.get_num_threads() == 3
+    finally:
+        th.set_num_threads(threads)
 
 
 # -- errors ----------------------------------------------------------------------------------------
