@@ -1,7 +1,7 @@
 """Whole SB3 ``learn()`` calls with each vectorizer: env steps per second, and where the time goes.
 
     python benchmarks/learn_throughput.py [--runs ppo_halfcheetah ppo_pong sac_halfcheetah] [--repeats 1]
-                                          [--json benchmarks/results/learn_throughput.json]
+                                          [--torch-threads N] [--json benchmarks/results/learn_throughput.json]
 
 What a user sees end to end, policy updates included. Runs (defaults follow rl-baselines3-zoo's
 shapes, shortened):
@@ -12,9 +12,12 @@ shapes, shortened):
 - ``sac_halfcheetah``: SAC, HalfCheetah-v5, 4 envs, one gradient step per transition, 4,000 steps
   after 1,000 random ones.
 
-Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference);
-PPO and SAC on HalfCheetah also with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on the
-workers), without and with ``overlap_collection``. The time inside ``collect_rollouts`` and
+Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference),
+and with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on the workers), without and with
+``overlap_collection``; for those the Pong env stacks its frames itself (a ``VecFrameStack`` would
+stack them in the learner, out of the workers' reach). The learner's torch runs one thread, as
+the examples set it; ``--torch-threads 0`` keeps torch's default (one per core), which makes
+every vectorizer with worker processes slower (see the README). The time inside ``collect_rollouts`` and
 inside ``train`` is reported apart (with overlap, collection runs during training, so ``collect``
 is only the wait for it); ``setup`` is the rest of ``learn()`` (for worker-side inference:
 deploying the policy); ``model`` is the algorithm's construction, before ``learn()`` (for
@@ -73,7 +76,26 @@ def _pong(vec_env_cls: type, vec_env_kwargs: dict, n_envs: int) -> Any:
     return VecFrameStack(venv, n_stack=4)
 
 
-# name -> (make env, n_envs, algorithm factory, total timesteps, worker-side algorithm class or None)
+def _stacked_pong() -> Any:
+    """Pong as ``make_atari_env`` builds it, with the 4 frames stacked in the env, channels first:
+    what a policy on the workers sees (``VecFrameStack`` would stack them in the learner)."""
+    import ale_py
+    import gymnasium as gym
+    from gymnasium.wrappers import FrameStackObservation, ReshapeObservation
+    from stable_baselines3.common.atari_wrappers import AtariWrapper
+    from stable_baselines3.common.monitor import Monitor
+
+    gym.register_envs(ale_py)
+    env = AtariWrapper(Monitor(gym.make("PongNoFrameskip-v4")))
+    return ReshapeObservation(FrameStackObservation(env, 4, padding_type="zero"), (4, 84, 84))
+
+
+def _pong_stacked_in_envs(vec_env_cls: type, vec_env_kwargs: dict, n_envs: int) -> Any:
+    return make_vec_env(_stacked_pong, n_envs=n_envs, seed=0, vec_env_cls=vec_env_cls, vec_env_kwargs=vec_env_kwargs)
+
+
+# name -> how to make the env, n_envs, the algorithm, total timesteps, the worker-side algorithm
+# class (or None) and, when it needs another, how to make its env
 RUNS: dict[str, dict[str, Any]] = {
     "ppo_halfcheetah": {
         "make_env": _halfcheetah,
@@ -87,7 +109,8 @@ RUNS: dict[str, dict[str, Any]] = {
         "n_envs": 16,
         "algorithm": lambda cls, env: cls("CnnPolicy", env, n_steps=128, batch_size=256, n_epochs=1, seed=0, device="cpu"),
         "timesteps": 16_384,
-        "worker_side": None,  # the workers' policy copy would need VecFrameStack, which runs in the learner
+        "worker_side": clusterenv_sb3.PPO,
+        "worker_side_env": _pong_stacked_in_envs,  # the workers' policy sees the stacked frames
     },
     "sac_halfcheetah": {
         "make_env": _halfcheetah,
@@ -101,7 +124,8 @@ RUNS: dict[str, dict[str, Any]] = {
 
 def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, algorithm_cls: type, **extra: Any) -> dict:
     started = time.perf_counter()
-    env = run["make_env"](vec_env_cls, vec_env_kwargs, run["n_envs"])
+    make_env = run.get("worker_side_env", run["make_env"]) if algorithm_cls is run["worker_side"] else run["make_env"]
+    env = make_env(vec_env_cls, vec_env_kwargs, run["n_envs"])
     construct = time.perf_counter() - started
     totals = {"collect_rollouts": 0.0, "train": 0.0}
     try:
@@ -134,8 +158,12 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (the median is reported)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "learn_throughput.json"))
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="the learner's torch threads, as the examples set them (0: torch's default)"
+    )
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
 
     results = []
     for name in args.runs:
