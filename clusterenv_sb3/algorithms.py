@@ -86,13 +86,6 @@ def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
     )
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 class _LearnerThreads:
     """The learner's torch threads during an overlapped ``learn()``, where it works while this
     machine's workers collect the next segment.
@@ -297,7 +290,8 @@ class WorkerInferenceMixin:
 
     def learn(self, *args: Any, **kwargs: Any) -> Any:
         if self.overlap_collection and isinstance(self.env, ClusterVecEnv) and not self.env.pool.closed:
-            self._learner_threads = _LearnerThreads(max(1, _usable_cores() - self.env.pool.workers_on_this_host))
+            # Cores counted as the pool counts them when it puts one worker on each.
+            self._learner_threads = _LearnerThreads(max(1, (os.cpu_count() or 1) - self.env.pool.workers_on_this_host))
         try:
             return super().learn(*args, **kwargs)
         finally:

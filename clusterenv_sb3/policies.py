@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -126,7 +127,7 @@ class ActorCriticDeployable(_Deployable):
         policy = self.policy
         mlp_forward = self.__dict__.get("_mlp_forward")
         if mlp_forward is None:
-            mlp_forward = self.__dict__["_mlp_forward"] = _MlpForward.of(policy) or _generic_forward
+            mlp_forward = self.__dict__["_mlp_forward"] = _MlpForward.of(policy) or _generic_forward(policy)
         actions, log_probs = mlp_forward(policy, _to_device(obs, policy.device), deterministic)
         out = {"actions": actions, "log_probs": log_probs}
         if self._box:
@@ -153,18 +154,26 @@ class ActorCriticDeployable(_Deployable):
         return ("gaussian", mean.cpu(), (th.ones_like(mean) * policy.log_std).cpu())
 
 
-def _generic_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
-    """``(actions, log_probs)`` as ``policy.forward`` draws them. With SB3's own ``forward``, through
-    ``get_distribution``: the same operations for the actor, none for the critic (which may have
-    its own features extractor); an overridden one runs as it is."""
+def _generic_forward(policy: ActorCriticPolicy) -> Callable[[ActorCriticPolicy, Any, bool], tuple]:
+    """How to draw ``(actions, log_probs)`` as ``policy.forward`` draws them: with SB3's own
+    ``forward``, through ``get_distribution`` (the same operations for the actor, none for the
+    critic, which may have its own features extractor); an overridden one runs as it is."""
     policy_class = type(policy)
     if all(
         getattr(policy_class, name) is getattr(ActorCriticPolicy, name)
         for name in ("forward", "get_distribution", "extract_features")
     ):
-        distribution = policy.get_distribution(obs)
-        actions = distribution.get_actions(deterministic=deterministic)
-        return actions.reshape((-1, *policy.action_space.shape)), distribution.log_prob(actions)
+        return _actor_forward
+    return _own_forward
+
+
+def _actor_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
+    distribution = policy.get_distribution(obs)
+    actions = distribution.get_actions(deterministic=deterministic)
+    return actions.reshape((-1, *policy.action_space.shape)), distribution.log_prob(actions)
+
+
+def _own_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
     actions, _, log_probs = policy(obs, deterministic=deterministic)
     return actions, log_probs
 

@@ -690,13 +690,13 @@ def test_overlapped_learning_keeps_torch_off_the_workers_cores():
     try:
         assert env.pool.workers_on_this_host == 2
         # Two segments: the second is collected during the first update (no time to judge who waits).
-        th.set_num_threads(len(os.sched_getaffinity(0)) + 2)
-        for overlap, expected in ((True, {max(1, len(os.sched_getaffinity(0)) - 2)}), (False, {th.get_num_threads()})):
+        th.set_num_threads(os.cpu_count() + 2)
+        for overlap, expected in ((True, {max(1, os.cpu_count() - 2)}), (False, {th.get_num_threads()})):
             model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, n_epochs=1, device="cpu", overlap_collection=overlap)
             callback = Threads()
             model.learn(64, callback=callback)
             assert callback.seen == expected
-            assert th.get_num_threads() == len(os.sched_getaffinity(0)) + 2
+            assert th.get_num_threads() == os.cpu_count() + 2
     finally:
         th.set_num_threads(threads)
         env.close()
