@@ -248,6 +248,7 @@ def vectorizers(workload: str, num_envs: int) -> dict[str, Callable[[], Any] | N
         "SubprocVecEnv(fork)": lambda: SubprocVecEnv(env_fns, start_method="fork"),
         "AsyncVectorEnv": lambda: gym.vector.AsyncVectorEnv(env_fns),
         "ClusterVecEnv": lambda: ClusterVecEnv(env_fns),
+        "ClusterVecEnv(inline)": lambda: ClusterVecEnv(env_fns, inline_worker=True),
     }
     if HAVE_MPI:
         makers["ClusterVecEnv(mpi)"] = lambda: ClusterVecEnv(env_fns, backend="mpi", num_workers=min(2, num_envs))

@@ -403,37 +403,40 @@ class Worker:
         connection = self.connection
         while True:
             request = connection.recv()
-            if request is None:  # learner gone
+            if request is None or self.handle(request):  # learner gone, or told to close
                 return 0
-            if type(request) is str:  # STEP, the fast path
-                try:
-                    parts = self.block.step()
-                    reply = OK_NONE if parts is None else (OK, parts)
-                except RemoteFailure as failure:
-                    reply = failure.reply(self.first_index)
-                self._send_reply(connection.send_step, reply, "step")
-                continue
-            arrays = None
+
+    def handle(self, request: Any) -> bool:
+        """Answer one request through the connection; returns whether it was the last (close)."""
+        connection = self.connection
+        if type(request) is str:  # STEP, the fast path
             try:
-                handler = HANDLERS.get(type(request))
-                if handler is None:
-                    raise ValueError(f"unknown request {request!r}")
-                result = handler(self, request)
-                if request.REPLY_ARRAYS:
-                    result, arrays = result
-                reply = (OK, result)
+                parts = self.block.step()
+                reply = OK_NONE if parts is None else (OK, parts)
             except RemoteFailure as failure:
                 reply = failure.reply(self.first_index)
-            except Exception as error:  # a bug or a bad message: report it rather than die silently
-                reply = RemoteFailure(None, type(request).__name__, error).reply(0)
-            reply = self._send_reply(connection.send, reply, type(request).__name__.lower())
-            if reply[0] == OK:
-                if request.REPLY_ROWS:
-                    connection.send_rows()
-                if arrays is not None:
-                    connection.send_arrays(arrays)
-            if isinstance(request, protocol.Close):
-                return 0
+            self._send_reply(connection.send_step, reply, "step")
+            return False
+        arrays = None
+        try:
+            handler = HANDLERS.get(type(request))
+            if handler is None:
+                raise ValueError(f"unknown request {request!r}")
+            result = handler(self, request)
+            if request.REPLY_ARRAYS:
+                result, arrays = result
+            reply = (OK, result)
+        except RemoteFailure as failure:
+            reply = failure.reply(self.first_index)
+        except Exception as error:  # a bug or a bad message: report it rather than die silently
+            reply = RemoteFailure(None, type(request).__name__, error).reply(0)
+        reply = self._send_reply(connection.send, reply, type(request).__name__.lower())
+        if reply[0] == OK:
+            if request.REPLY_ROWS:
+                connection.send_rows()
+            if arrays is not None:
+                connection.send_arrays(arrays)
+        return isinstance(request, protocol.Close)
 
     def _send_reply(self, send: Callable[[tuple], None], reply: tuple, operation: str) -> tuple:
         """Send ``reply``; returns what was sent. Backends pickle before sending anything, so a reply
@@ -492,6 +495,14 @@ class Worker:
 
     def deploy(self, request: protocol.Deploy) -> None:
         from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
+
+        if self.connection.in_learner_process:
+            # A policy copy sets torch's threads and seed for its whole process: the learner's here.
+            error = RuntimeError(
+                "worker-side inference needs worker processes, and this worker runs in the learner's "
+                "process (the local backend's inline_worker option): build the env without it"
+            )
+            raise RemoteFailure(None, "deploying the policy", error)
 
         views, _ = self.connection.map_region(request.weights_handle, weights_fields(request.count), 1, range(1))
         weights = WeightsRegion(views)

@@ -155,19 +155,20 @@ def test_step_async_returns_before_workers_finish():
 
 
 @pytest.mark.slow
-def test_ppo_parameters_identical_to_dummy_vec_env():
+@pytest.mark.parametrize("cluster_kwargs", [{}, {"num_workers": 2, "inline_worker": True}], ids=["processes", "inline"])
+def test_ppo_parameters_identical_to_dummy_vec_env(cluster_kwargs):
     import torch
     from stable_baselines3 import PPO
 
-    def train(vec_env_cls):
-        venv = make_vec_env("CartPole-v1", n_envs=4, seed=0, vec_env_cls=vec_env_cls)
+    def train(vec_env_cls, **vec_env_kwargs):
+        venv = make_vec_env("CartPole-v1", n_envs=4, seed=0, vec_env_cls=vec_env_cls, vec_env_kwargs=vec_env_kwargs)
         model = PPO("MlpPolicy", venv, n_steps=256, batch_size=256, n_epochs=2, seed=0, device="cpu")
         model.learn(total_timesteps=4096)
         venv.close()
         return model.policy.state_dict()
 
     torch.set_num_threads(1)
-    expected, actual = train(DummyVecEnv), train(ClusterVecEnv)
+    expected, actual = train(DummyVecEnv), train(ClusterVecEnv, **cluster_kwargs)
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name

@@ -132,6 +132,9 @@ class Transport(ABC):
 class WorkerConnection(ABC):
     """Worker side of a backend."""
 
+    #: the worker runs inside the learner's process (so it must not change process-wide state)
+    in_learner_process: bool = False
+
     @abstractmethod
     def recv(self) -> Any:
         """Block for the next message; :data:`~clusterenv_core.protocol.STEP` for a step (action rows are then in the buffers).

@@ -14,7 +14,9 @@ Signalling went through measurement (``benchmarks/signalling.py``, ``benchmarks/
 see the README. Workers sleep in the kernel between requests, except that the first ``cores - 1``
 of them poll for up to ``worker_spin`` seconds after each reply before they sleep: a learner that
 answers within that time reaches them without a wake-up, and with at most ``cores - 1`` spinners
-the learner always has a core of its own.
+the learner always has a core of its own. With ``inline_worker`` the last worker runs in the
+learner's process instead (:mod:`clusterenv_core.transports.inline`), and the learner polls for
+replies as those workers poll for requests.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, STEP, dumps
 from clusterenv_core.transports.base import Transport, WorkerConnection
+
+if TYPE_CHECKING:
+    from clusterenv_core.transports.inline import InlineWorker
 
 _HEADER = struct.Struct("<Q")
 _LIVENESS_INTERVAL = 0.25  # seconds between checks that a silent worker process still exists
@@ -62,7 +67,7 @@ class _MessageSocket:
     Several messages may arrive in one read (a worker's progress reports queue up while the learner
     trains): bytes past the message returned stay buffered for the next call.
 
-    :param spin: seconds a receive without timeout polls before it sleeps in the kernel
+    :param spin: seconds a receive polls before it sleeps in the kernel
     """
 
     def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
@@ -100,13 +105,15 @@ class _MessageSocket:
             self._start, self._end = 0, pending
         if len(self._buffer) - self._end < 4096:
             self._buffer.extend(bytes(len(self._buffer)))
-        if deadline is not None:
-            self._wait_readable(deadline, still_alive)
         view = memoryview(self._buffer)[self._end :]
-        count = self._spin_recv(view) if self.spin and deadline is None else None
-        if count is None:
-            count = self.sock.recv_into(view)
-        view.release()
+        try:
+            count = self._spin_recv(view) if self.spin else None
+            if count is None:
+                if deadline is not None:
+                    self._wait_readable(deadline, still_alive)
+                count = self.sock.recv_into(view)
+        finally:
+            view.release()
         if count == 0:
             raise EOFError("connection closed")
         self._end += count
@@ -286,9 +293,13 @@ class LocalTransport(Transport):
     :param python: interpreter for the workers (default: this one)
     :param env: extra environment variables for the worker processes
     :param worker_spin: seconds a worker polls for its next request after each reply before it
-        sleeps in the kernel (0: it sleeps at once)
+        sleeps in the kernel (0: it sleeps at once); with ``inline_worker``, also how long the
+        learner polls for a reply
     :param spinning_workers: how many workers (the first ones) poll like that (default: one fewer
         than the cores, so the learner keeps a core however the workers wait)
+    :param inline_worker: run the last worker in the learner's own process instead of a process of
+        its own (see :mod:`clusterenv_core.transports.inline`: faster where workers are as many as
+        cores, but those envs lose the workers' isolation and timeouts)
     """
 
     shares_memory = True
@@ -299,6 +310,7 @@ class LocalTransport(Transport):
         env: dict[str, str] | None = None,
         worker_spin: float = 5e-4,
         spinning_workers: int | None = None,
+        inline_worker: bool = False,
     ) -> None:
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
@@ -314,13 +326,22 @@ class LocalTransport(Transport):
         self.memory_size = 0
         self.regions: list[mmap.mmap] = []
         self.failed: set[int] = set()
+        if not isinstance(inline_worker, bool):
+            raise TypeError(f"inline_worker must be a bool, got {inline_worker!r}")
+        self.inline_worker = inline_worker
+        self.inline: InlineWorker | None = None  # with inline_worker, once started: the last worker
 
     @property
     def num_workers(self) -> int:
-        return len(self.sockets)
+        return len(self.sockets) + (self.inline is not None)
 
     def worker_pids(self) -> list[int]:
-        return [process.pid for process in self.processes]
+        """The worker processes' ids; an inline worker's is the learner's own."""
+        return [process.pid for process in self.processes] + ([os.getpid()] if self.inline is not None else [])
+
+    def _inline(self, worker: int) -> InlineWorker | None:
+        """The inline worker if ``worker`` is it (the last one), else ``None``."""
+        return self.inline if worker == len(self.sockets) else None
 
     def start(self, num_workers: int, timeout: float) -> None:
         self.memory_fd = _anonymous_file()
@@ -333,10 +354,14 @@ class LocalTransport(Transport):
         # (Python 3.11+) leaves it out; the learner's own path reaches the worker with Init.
         same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
         self._safe_path = ["-P"] if same_python and sys.version_info >= (3, 11) else []
-        for worker in range(num_workers):
+        for worker in range(num_workers - self.inline_worker):
             process, channel = self._launch(worker)
             self.processes.append(process)
             self.sockets.append(channel)
+        if self.inline_worker:
+            from clusterenv_core.transports.inline import InlineWorker
+
+            self.inline = InlineWorker(self.memory_fd)
 
     def _launch(self, worker: int) -> tuple[subprocess.Popen, _MessageSocket]:
         learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -354,9 +379,13 @@ class LocalTransport(Transport):
         finally:
             worker_end.close()
             os.close(stderr)
-        return process, _MessageSocket(learner_end)
+        # With an inline worker the learner is one of as many processes as cores: it polls as spinning
+        # workers do, so the replies it waits for reach it without a wake-up.
+        return process, _MessageSocket(learner_end, self.worker_spin if self.inline_worker else 0.0)
 
     def restart(self, worker: int, timeout: float) -> None:
+        if self._inline(worker):
+            raise NotImplementedError("the inline worker runs in the learner's process and cannot be replaced")
         old = self.processes[worker]
         old.kill()
         old.wait()
@@ -365,10 +394,20 @@ class LocalTransport(Transport):
         self.failed.discard(worker)
 
     def send(self, worker: int, message: Any) -> None:
-        self._send_frame(worker, _frame(message))
+        inline = self._inline(worker)
+        if inline is not None:
+            inline.request(message)
+        else:
+            self._send_frame(worker, _frame(message))
 
     def send_step(self, worker: int) -> None:
-        self._send_frame(worker, _STEP_FRAME)
+        # The pool starts its workers in order and the inline worker is the last: it steps its block
+        # while the worker processes step theirs.
+        inline = self._inline(worker)
+        if inline is not None:
+            inline.request(STEP)
+        else:
+            self._send_frame(worker, _STEP_FRAME)
 
     def _send_frame(self, worker: int, frame: bytes) -> None:
         try:
@@ -377,6 +416,9 @@ class LocalTransport(Transport):
             raise self._lost(worker, f"cannot send to it ({error})") from error
 
     def recv(self, worker: int, timeout: float) -> Any:
+        inline = self._inline(worker)
+        if inline is not None:
+            return inline.reply()
         try:
             return self.sockets[worker].recv(timeout, lambda: self._check_alive(worker))
         except EOFError:
@@ -393,7 +435,9 @@ class LocalTransport(Transport):
 
     def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
         sockets = self.sockets
-        ready = [worker for worker in workers if sockets[worker].has_data()]
+        ready = [
+            worker for worker in workers if (self.inline.has_reply() if self._inline(worker) else sockets[worker].has_data())
+        ]
         if ready:
             return ready
         by_fd = {sockets[worker].sock.fileno(): worker for worker in workers}
@@ -467,6 +511,9 @@ class LocalTransport(Transport):
         for channel in self.sockets:
             channel.sock.close()
         self.processes, self.sockets = [], []
+        if self.inline is not None:
+            self.inline.close()
+            self.inline = None
         self._stderr.close()
         for mapping in [self.memory, *self.regions]:
             if mapping is not None:
@@ -480,8 +527,34 @@ class LocalTransport(Transport):
             self.memory_fd = None
 
 
-class LocalWorkerConnection(WorkerConnection):
-    """Worker side of the local backend.
+class MemoryFileConnection(WorkerConnection):
+    """What every worker of the local backend shares: the buffers and regions of the memory file.
+
+    :param memory_fd: the memory file holding the batch buffers and the regions
+    """
+
+    def __init__(self, memory_fd: int) -> None:
+        self.memory_fd = memory_fd
+        self.memory: mmap.mmap | None = None
+
+    def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
+        self.memory = mmap.mmap(self.memory_fd, spec.nbytes())
+        return BatchBuffers(spec, self.memory), block.start
+
+    def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
+        offset, nbytes = handle
+        region = mmap.mmap(self.memory_fd, nbytes, offset=offset)
+        return field_views(fields, num_envs, region), block.start
+
+    def send_arrays(self, arrays: list) -> None:
+        pass  # shared memory: the learner sees the worker's arrays
+
+    def recv_arrays(self, arrays: list) -> None:
+        pass
+
+
+class LocalWorkerConnection(MemoryFileConnection):
+    """Worker side of the local backend, in a worker process.
 
     :param socket_fd: the worker's end of the socket pair
     :param memory_fd: the memory file holding the batch buffers
@@ -489,9 +562,8 @@ class LocalWorkerConnection(WorkerConnection):
     """
 
     def __init__(self, socket_fd: int, memory_fd: int, spin: float = 0.0) -> None:
+        super().__init__(memory_fd)
         self.channel = _MessageSocket(socket.socket(fileno=socket_fd), spin)
-        self.memory_fd = memory_fd
-        self.memory: mmap.mmap | None = None
 
     def recv(self) -> Any:
         try:
@@ -510,21 +582,6 @@ class LocalWorkerConnection(WorkerConnection):
             self.channel.send_frame(frame)
         except OSError:
             pass  # the learner is gone; the next recv ends the loop
-
-    def attach(self, spec: BatchSpec, block: range) -> tuple[BatchBuffers, int]:
-        self.memory = mmap.mmap(self.memory_fd, spec.nbytes())
-        return BatchBuffers(spec, self.memory), block.start
-
-    def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
-        offset, nbytes = handle
-        region = mmap.mmap(self.memory_fd, nbytes, offset=offset)
-        return field_views(fields, num_envs, region), block.start
-
-    def send_arrays(self, arrays: list) -> None:
-        pass  # shared memory: the learner sees the worker's arrays
-
-    def recv_arrays(self, arrays: list) -> None:
-        pass
 
     def close(self) -> None:
         self.channel.sock.close()

@@ -1,0 +1,101 @@
+"""A worker inside the learner's process: the local backend's ``inline_worker`` option.
+
+With one worker per core, the learner is one process more than there are cores: its own work each
+step (the adapter, the messages) shares a core with a worker, and that worker waits for a wake-up
+every step. An inline worker puts the last block of envs in the learner's process instead. The
+learner steps that block itself, right after it has sent the worker processes their step, so the
+machine runs as many busy processes as it has cores.
+
+What that costs, and why it is an option: the inline block's envs share the learner's fate, as
+under ``DummyVecEnv``. No timeout applies to them (an env that hangs, hangs the learner), an env
+that crashes the interpreter takes the learner with it, and their infos reach the learner as the
+objects the envs returned, not pickled copies. A policy copy would set torch's threads and seed for
+the learner's whole process, so worker-side inference is refused.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections import deque
+from typing import Any
+
+from clusterenv_core.transports.local import MemoryFileConnection
+
+
+class InlineConnection(MemoryFileConnection):
+    """The worker side of an inline worker: requests come by call, replies wait in a queue.
+
+    :param memory_fd: the local backend's memory file (mapped again, as a worker process maps it)
+    """
+
+    in_learner_process = True
+
+    def __init__(self, memory_fd: int) -> None:
+        super().__init__(memory_fd)
+        self.replies: deque = deque()
+
+    def recv(self) -> Any:
+        raise RuntimeError("an inline worker gets its requests by call (InlineWorker.request)")
+
+    def send(self, message: Any) -> None:
+        self.replies.append(message)
+
+    send_step = send
+
+    def close(self) -> None:
+        if self.memory is not None:
+            try:
+                self.memory.close()
+            except BufferError:  # the block's views still exist; the mapping goes with them
+                pass
+
+
+class InlineWorker:
+    """A :class:`~clusterenv_core.worker.Worker` run by the learner, one request at a time.
+
+    Ctrl-C while it runs one is held until the request is done and delivered when the learner
+    next takes one of its replies, so it interrupts the learner's wait, as with worker processes,
+    and never an env half-way (which the env's failure handling would take for the env's failure).
+
+    :param memory_fd: the local backend's memory file
+    """
+
+    def __init__(self, memory_fd: int) -> None:
+        from clusterenv_core.worker import Worker  # the worker's code, run here rather than in a process
+
+        self.connection = InlineConnection(memory_fd)
+        self.worker = Worker(self.connection)
+        self._held_interrupt: Any = None  # the SIGINT handler to call for an interrupt held back
+
+    def request(self, message: Any) -> None:
+        """Run ``message`` now; its replies wait for :meth:`reply`."""
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+            self.worker.handle(message)  # signals reach the main thread only; None: a handler set outside Python
+            return
+        held = []
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        try:
+            self.worker.handle(message)
+        finally:
+            signal.signal(signal.SIGINT, handler)
+            if held:
+                self._held_interrupt = handler
+
+    def has_reply(self) -> bool:
+        return bool(self.connection.replies)
+
+    def reply(self) -> Any:
+        """The oldest reply not yet taken (after delivering a held interrupt: it stays queued then)."""
+        handler, self._held_interrupt = self._held_interrupt, None
+        if callable(handler):
+            handler(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+        elif handler is not None:
+            signal.raise_signal(signal.SIGINT)  # SIG_DFL or SIG_IGN, as the learner set it
+        if not self.connection.replies:
+            raise RuntimeError("the inline worker has no reply waiting: a receive without its request")
+        return self.connection.replies.popleft()
+
+    def close(self) -> None:
+        """Close the envs the worker still has, however the pool ended."""
+        self.worker.shutdown()
