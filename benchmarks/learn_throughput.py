@@ -12,8 +12,8 @@ shapes, shortened):
 - ``sac_halfcheetah``: SAC, HalfCheetah-v5, 4 envs, one gradient step per transition, 4,000 steps
   after 1,000 random ones.
 
-Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference),
-and with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on the workers), without and with
+Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference;
+also with ``inline_worker=True``), and with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on the workers), without and with
 ``overlap_collection``; for those the Pong env stacks its frames itself (a ``VecFrameStack`` would
 stack them in the learner, out of the workers' reach). The learner's torch runs one thread, as
 the examples set it; ``--torch-threads 0`` keeps torch's default (one per core), which makes
@@ -46,6 +46,7 @@ VEC_ENVS: dict[str, tuple[type, dict]] = {
     "DummyVecEnv": (DummyVecEnv, {}),
     "SubprocVecEnv(fork)": (SubprocVecEnv, {"start_method": "fork"}),
     "ClusterVecEnv": (ClusterVecEnv, {}),
+    "ClusterVecEnv(inline)": (ClusterVecEnv, {"inline_worker": True}),
 }
 
 

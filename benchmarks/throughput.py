@@ -6,7 +6,8 @@
 Workloads: CartPole-v1; CartPole whose step busy-waits 200 µs (a stand-in for a costly simulator);
 Pong with SB3's ``AtariWrapper`` (``PongNoFrameskip-v4``, 84x84 frames); HalfCheetah-v5 (MuJoCo).
 Vectorizers: SB3's ``DummyVecEnv`` (one process) and ``SubprocVecEnv`` (fork), gymnasium's
-``AsyncVectorEnv``, ``ClusterVecEnv`` (local backend, one worker per core; the MPI backend with 2
+``AsyncVectorEnv``, ``ClusterVecEnv`` (local backend, one worker per core; again with
+``inline_worker=True``, the last block stepped in the learner's process; the MPI backend with 2
 spawned ranks when mpi4py is installed), EnvPool (native C++ of the same task, where it has it and
 is installed: ``pip install envpool``; its Pong does its own preprocessing), and **ideal**: one
 process per core, each stepping its share of the envs with no coordination at all, the machine's

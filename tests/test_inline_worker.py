@@ -107,3 +107,9 @@ def test_bad_option_is_rejected_before_start(no_leaks):
     with pytest.raises(ValueError, match="inline_worker must be a bool"):
         EnvPool.make("CartPole-v1", 2, backend_options={"inline_worker": "yes"})
 
+
+
+def test_asynchronous_batches_give_each_env_its_own_trajectory():
+    from tests.test_async_batches import check_trajectories_match_envs_alone
+
+    check_trajectories_match_envs_alone(4, recvs=150, backend_options={"inline_worker": True})

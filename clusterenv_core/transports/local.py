@@ -435,12 +435,20 @@ class LocalTransport(Transport):
 
     def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
         sockets = self.sockets
-        ready = [
-            worker for worker in workers if (self.inline.has_reply() if self._inline(worker) else sockets[worker].has_data())
-        ]
-        if ready:
-            return ready
-        by_fd = {sockets[worker].sock.fileno(): worker for worker in workers}
+        processes = [worker for worker in workers if not self._inline(worker)]
+        ready = {worker for worker in workers if self._inline(worker) and self.inline.has_reply()}
+        ready.update(worker for worker in processes if sockets[worker].has_data())
+        if not ready:
+            return self._poll_replies(processes, timeout)
+        if self.inline is not None:
+            # An inline worker's reply is in as soon as its request returned: the worker processes'
+            # replies already in count too, or the envs behind them would wait for a turn that never comes.
+            ready.update(self._poll_replies([worker for worker in processes if worker not in ready], 0.0))
+        return [worker for worker in workers if worker in ready]
+
+    def _poll_replies(self, workers: list[int], timeout: float) -> list[int]:
+        """Worker processes among ``workers`` with bytes to read within ``timeout`` (or lost)."""
+        by_fd = {self.sockets[worker].sock.fileno(): worker for worker in workers}
         poller = select.poll()
         for fd in by_fd:
             poller.register(fd, select.POLLIN)
