@@ -113,3 +113,26 @@ def test_asynchronous_batches_give_each_env_its_own_trajectory():
     from tests.test_async_batches import check_trajectories_match_envs_alone
 
     check_trajectories_match_envs_alone(4, recvs=150, backend_options={"inline_worker": True})
+
+
+@pytest.fixture
+def inline_vector_env(monkeypatch):
+    """test_cleanrl_vector_env's checks, run with an inline worker."""
+    from clusterenv_cleanrl import ClusterVectorEnv
+    from tests import test_cleanrl_vector_env as checks
+
+    monkeypatch.setattr(checks, "ClusterVectorEnv", functools.partial(ClusterVectorEnv, inline_worker=True))
+    return checks
+
+
+def test_spaces_without_buffers_and_copy_semantics(inline_vector_env):
+    # The inline block's observations and infos are the envs' own objects, not unpickled copies:
+    # what reaches the caller must still be what SyncVectorEnv gives, copies where it copies.
+    checks = inline_vector_env
+    mode = checks.MODES[0]
+    checks.test_spaces_without_buffers(checks.TextObsEnv, mode)
+    for pair in ("graph obs", "text actions", "nested obs, dict actions"):
+        checks.test_more_spaces(pair, mode)
+    checks.test_final_observation_is_the_envs_own_dict()
+    for copy in (True, False):
+        checks.test_copy_semantics(copy)
