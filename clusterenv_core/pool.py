@@ -360,8 +360,16 @@ class EnvPool(DeprecatedPoolMethods):
         rollouts with it (also kept as :attr:`actors`). Deploying again replaces the policy.
 
         :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
+        :raises ValueError: a worker runs in the learner's process (the local backend's ``inline_worker``)
         """
         from clusterenv_core.actors import WorkerActors
+
+        if self._transport.has_inline_worker:
+            # A policy copy sets torch's threads and seed for its whole process: the learner's, there.
+            raise ValueError(
+                "worker-side inference needs every worker in a process of its own, and this pool steps "
+                "a block in the learner's process (inline_worker=True): build the env without it"
+            )
 
         self.actors = WorkerActors(self, policy, seed)
         return self.actors

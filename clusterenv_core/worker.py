@@ -496,14 +496,6 @@ class Worker:
     def deploy(self, request: protocol.Deploy) -> None:
         from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
 
-        if self.connection.in_learner_process:
-            # A policy copy sets torch's threads and seed for its whole process: the learner's here.
-            error = RuntimeError(
-                "worker-side inference needs worker processes, and this worker runs in the learner's "
-                "process (the local backend's inline_worker option): build the env without it"
-            )
-            raise RemoteFailure(None, "deploying the policy", error)
-
         views, _ = self.connection.map_region(request.weights_handle, weights_fields(request.count), 1, range(1))
         weights = WeightsRegion(views)
         if request.deliver:

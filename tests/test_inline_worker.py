@@ -97,7 +97,7 @@ def test_worker_side_inference_is_refused_clearly(no_leaks):
 
     with EnvPool.make("CartPole-v1", 4, num_workers=2, backend_options={"inline_worker": True}) as pool:
         threads = torch.get_num_threads()
-        with pytest.raises(EnvError, match="inline_worker"):
+        with pytest.raises(ValueError, match="inline_worker"):
             pool.deploy(LinearPolicy(), seed=0)
         assert torch.get_num_threads() == threads
         pool.reset()

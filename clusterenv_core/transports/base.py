@@ -37,6 +37,9 @@ class Transport(ABC):
     exit_hook: Callable[[], None] | None = None
     #: set by the pool that owns the transport: the env indices of each worker (for error messages)
     blocks: tuple[range, ...] = ()
+    #: whether a worker runs inside the learner's process (where a policy copy would set torch's
+    #: threads and seed for the learner)
+    has_inline_worker: bool = False
 
     def envs_of(self, worker: int) -> str:
         """``", envs 4-7"``: the envs of ``worker``, for error messages (empty without blocks)."""
@@ -131,9 +134,6 @@ class Transport(ABC):
 
 class WorkerConnection(ABC):
     """Worker side of a backend."""
-
-    #: the worker runs inside the learner's process (so it must not change process-wide state)
-    in_learner_process: bool = False
 
     @abstractmethod
     def recv(self) -> Any:

@@ -29,8 +29,6 @@ class InlineConnection(MemoryFileConnection):
     :param memory_fd: the local backend's memory file (mapped again, as a worker process maps it)
     """
 
-    in_learner_process = True
-
     def __init__(self, memory_fd: int) -> None:
         super().__init__(memory_fd)
         self.replies: deque = deque()

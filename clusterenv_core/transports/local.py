@@ -335,6 +335,10 @@ class LocalTransport(Transport):
     def num_workers(self) -> int:
         return len(self.sockets) + (self.inline is not None)
 
+    @property
+    def has_inline_worker(self) -> bool:
+        return self.inline_worker
+
     def worker_pids(self) -> list[int]:
         """The worker processes' ids; an inline worker's is the learner's own."""
         return [process.pid for process in self.processes] + ([os.getpid()] if self.inline is not None else [])
