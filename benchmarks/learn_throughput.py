@@ -13,9 +13,9 @@ shapes, shortened):
   after 1,000 random ones.
 
 Each with ``DummyVecEnv``, ``SubprocVecEnv`` (fork) and ``ClusterVecEnv`` (central inference;
-also with ``inline_worker=True``), and with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on the workers), without and with
-``overlap_collection``; for those the Pong env stacks its frames itself (a ``VecFrameStack`` would
-stack them in the learner, out of the workers' reach). The learner's torch runs one thread, as
+also with ``inline_worker=True``), and with ``clusterenv_sb3.PPO``/``SAC`` (the policy or actor on
+the workers), without and with ``overlap_collection``; for those the Pong env stacks its frames
+itself (a ``VecFrameStack`` would stack them in the learner, out of the workers' reach). The learner's torch runs one thread, as
 the examples set it; ``--torch-threads 0`` keeps torch's default (one per core), which makes
 every vectorizer with worker processes slower (see the README). The time inside ``collect_rollouts`` and
 inside ``train`` is reported apart (with overlap, collection runs during training, so ``collect``

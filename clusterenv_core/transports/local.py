@@ -328,16 +328,12 @@ class LocalTransport(Transport):
         self.failed: set[int] = set()
         if not isinstance(inline_worker, bool):
             raise TypeError(f"inline_worker must be a bool, got {inline_worker!r}")
-        self.inline_worker = inline_worker
+        self.has_inline_worker = inline_worker
         self.inline: InlineWorker | None = None  # with inline_worker, once started: the last worker
 
     @property
     def num_workers(self) -> int:
         return len(self.sockets) + (self.inline is not None)
-
-    @property
-    def has_inline_worker(self) -> bool:
-        return self.inline_worker
 
     def worker_pids(self) -> list[int]:
         """The worker processes' ids; an inline worker's is the learner's own."""
@@ -358,11 +354,11 @@ class LocalTransport(Transport):
         # (Python 3.11+) leaves it out; the learner's own path reaches the worker with Init.
         same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
         self._safe_path = ["-P"] if same_python and sys.version_info >= (3, 11) else []
-        for worker in range(num_workers - self.inline_worker):
+        for worker in range(num_workers - self.has_inline_worker):
             process, channel = self._launch(worker)
             self.processes.append(process)
             self.sockets.append(channel)
-        if self.inline_worker:
+        if self.has_inline_worker:
             from clusterenv_core.transports.inline import InlineWorker
 
             self.inline = InlineWorker(self.memory_fd)
@@ -385,7 +381,7 @@ class LocalTransport(Transport):
             os.close(stderr)
         # With an inline worker the learner is one of as many processes as cores: it polls as spinning
         # workers do, so the replies it waits for reach it without a wake-up.
-        return process, _MessageSocket(learner_end, self.worker_spin if self.inline_worker else 0.0)
+        return process, _MessageSocket(learner_end, self.worker_spin if self.has_inline_worker else 0.0)
 
     def restart(self, worker: int, timeout: float) -> None:
         if self._inline(worker):
@@ -439,15 +435,17 @@ class LocalTransport(Transport):
 
     def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
         sockets = self.sockets
+        if self.inline is None:
+            ready = [worker for worker in workers if sockets[worker].has_data()]
+            return ready or self._poll_replies(workers, timeout)
         processes = [worker for worker in workers if not self._inline(worker)]
         ready = {worker for worker in workers if self._inline(worker) and self.inline.has_reply()}
         ready.update(worker for worker in processes if sockets[worker].has_data())
         if not ready:
             return self._poll_replies(processes, timeout)
-        if self.inline is not None:
-            # An inline worker's reply is in as soon as its request returned: the worker processes'
-            # replies already in count too, or the envs behind them would wait for a turn that never comes.
-            ready.update(self._poll_replies([worker for worker in processes if worker not in ready], 0.0))
+        # An inline worker's reply is in as soon as its request returned: the worker processes'
+        # replies already in count too, or the envs behind them would wait for a turn that never comes.
+        ready.update(self._poll_replies([worker for worker in processes if worker not in ready], 0.0))
         return [worker for worker in workers if worker in ready]
 
     def _poll_replies(self, workers: list[int], timeout: float) -> list[int]:
