@@ -24,12 +24,17 @@ import json
 import os
 import signal
 import time
+import warnings
 
 import gymnasium as gym
 import numpy as np
 import psutil
 
+from clusterenv_core import LearnerThreadsWarning
 from clusterenv_sb3 import ClusterVecEnv
+
+# Random actions: torch is imported (by SB3) but never runs here, so its threads cannot get in the way.
+warnings.filterwarnings("ignore", category=LearnerThreadsWarning)
 
 MAX_GROWTH = 0.05
 

@@ -33,6 +33,7 @@ import os
 import platform
 import queue
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,11 @@ import gymnasium as gym
 import numpy as np
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
+from clusterenv_core import LearnerThreadsWarning
 from clusterenv_sb3 import ClusterVecEnv
+
+# Random actions: torch is imported (by SB3) but never runs here, so its threads cannot get in the way.
+warnings.filterwarnings("ignore", category=LearnerThreadsWarning)
 
 HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
 HAVE_ENVPOOL = importlib.util.find_spec("envpool") is not None

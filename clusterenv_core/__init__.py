@@ -22,6 +22,7 @@ from clusterenv_core.errors import (
     WorkerLostError,
     WorkerTimeoutError,
 )
+from clusterenv_core.learner_threads import LearnerThreadsWarning
 
 if TYPE_CHECKING:
     from clusterenv_core.pool import DEFAULT_TIMEOUT, EnvPool, ResetResult, StepResult
@@ -47,6 +48,7 @@ __all__ = [
     "EnvPool",
     "EnvTypeError",
     "EnvValueError",
+    "LearnerThreadsWarning",
     "ResetResult",
     "SpaceMismatchError",
     "StepResult",

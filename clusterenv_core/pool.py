@@ -30,6 +30,7 @@ from clusterenv_core.errors import (
     WorkerLostError,
     WorkerTimeoutError,
 )
+from clusterenv_core.learner_threads import warn_if_torch_threads_contend
 from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS, RESTART_INFO_KEY
 from clusterenv_core.results import ResetResult, StepResult
 from clusterenv_core.spaces import common_spaces
@@ -193,6 +194,7 @@ class EnvPool(DeprecatedPoolMethods):
         except BaseException:
             self.close()
             raise
+        warn_if_torch_threads_contend(self.workers_on_this_host)
 
     @classmethod
     def make(cls, env_id: str, num_envs: int, make_kwargs: dict | None = None, **pool_kwargs: Any) -> EnvPool:

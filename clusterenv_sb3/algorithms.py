@@ -33,7 +33,6 @@ Design:
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -50,6 +49,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
 
 from clusterenv_core.aaps import PolicySync
 from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.learner_threads import spare_cores
 from clusterenv_core.rollout import Rollout
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
 from clusterenv_sb3.policies import TD3ActorDeployable, make_deployable
@@ -290,8 +290,7 @@ class WorkerInferenceMixin:
 
     def learn(self, *args: Any, **kwargs: Any) -> Any:
         if self.overlap_collection and isinstance(self.env, ClusterVecEnv) and not self.env.pool.closed:
-            # Cores counted as the pool counts them when it puts one worker on each.
-            self._learner_threads = _LearnerThreads(max(1, (os.cpu_count() or 1) - self.env.pool.workers_on_this_host))
+            self._learner_threads = _LearnerThreads(spare_cores(self.env.pool.workers_on_this_host))
         try:
             return super().learn(*args, **kwargs)
         finally:

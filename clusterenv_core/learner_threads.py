@@ -1,0 +1,58 @@
+"""The learner's torch threads beside workers on its machine.
+
+torch runs its operations on one thread per core by default, and its idle threads (OpenMP) keep
+spinning for a while after each parallel operation. Beside workers that take every core, those
+threads spin on the workers' cores, which made SB3 PPO with ClusterVecEnv up to twice as slow here
+(see the README's "One torch thread in the learner").
+
+ClusterEnv does not change the setting itself: the thread count changes how torch splits its sums,
+hence the last bits of its results (a seeded PPO run gave other parameters with one thread than
+with two), and a seeded run on ClusterEnv must give the parameters it gives on one process. It
+warns instead, with :class:`LearnerThreadsWarning`. torch is never imported here; a process
+without it gets no warning.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+
+class LearnerThreadsWarning(UserWarning):
+    """torch uses more threads in the learner's process than its workers leave cores."""
+
+
+def spare_cores(workers_on_this_host: int) -> int:
+    """The cores this machine's workers leave to the learner (at least one)."""
+    return max(1, (os.cpu_count() or 1) - workers_on_this_host)
+
+
+def warn_if_torch_threads_contend(workers_on_this_host: int) -> None:
+    """Warn when torch, imported in this process, runs more threads than
+    :func:`spare_cores` leaves it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "get_num_threads"):
+        return
+    threads, spare = torch.get_num_threads(), spare_cores(workers_on_this_host)
+    if threads <= spare:
+        return
+    cores = os.cpu_count() or 1
+    warnings.warn(
+        f"torch runs {threads} threads in this process while {workers_on_this_host} ClusterEnv workers share "
+        f"its {cores} cores: its idle threads spin on the workers' cores, which can make training slower than "
+        f"on one process (PPO with an MLP: up to 2x). Call torch.set_num_threads({spare}) before training, "
+        "unless your network is large enough to gain from more (then filter clusterenv_core.LearnerThreadsWarning). "
+        "ClusterEnv does not change it for you: the thread count changes the last bits of torch's results. "
+        "(clusterenv_sb3's algorithms with overlap_collection=True set it themselves during learn().)",
+        LearnerThreadsWarning,
+        stacklevel=_first_caller_outside_clusterenv(),
+    )
+
+
+def _first_caller_outside_clusterenv() -> int:
+    """The ``stacklevel`` that points a warning at the code that made the pool."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("clusterenv_"):
+        frame, level = frame.f_back, level + 1
+    return level
