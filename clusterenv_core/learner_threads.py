@@ -34,17 +34,16 @@ def warn_if_torch_threads_contend(workers_on_this_host: int) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "get_num_threads"):
         return
-    threads, spare = torch.get_num_threads(), spare_cores(workers_on_this_host)
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    spare = spare_cores(workers_on_this_host)
     if threads <= spare:
         return
-    cores = os.cpu_count() or 1
     warnings.warn(
         f"torch runs {threads} threads in this process while {workers_on_this_host} ClusterEnv workers share "
         f"its {cores} cores: its idle threads spin on the workers' cores, which can make training slower than "
         f"on one process (PPO with an MLP: up to 2x). Call torch.set_num_threads({spare}) before training, "
         "unless your network is large enough to gain from more (then filter clusterenv_core.LearnerThreadsWarning). "
-        "ClusterEnv does not change it for you: the thread count changes the last bits of torch's results. "
-        "(clusterenv_sb3's algorithms with overlap_collection=True set it themselves during learn().)",
+        "ClusterEnv does not change it for you: the thread count changes the last bits of torch's results.",
         LearnerThreadsWarning,
         stacklevel=_first_caller_outside_clusterenv(),
     )

@@ -26,9 +26,9 @@ import sys
 if __name__ == "__main__":
     # The worker program. Everything it needs is imported inside the launch guard, so that a worker
     # whose dependencies fail to import still ends an MPI job instead of leaving it waiting.
-    from clusterenv_core.launch import run_worker_program
+    from clusterenv_core.launch import end_worker_program, run_worker_program
 
-    sys.exit(run_worker_program(sys.argv[1:]))
+    end_worker_program(run_worker_program(sys.argv[1:]))
 
 import importlib
 import pickle

@@ -229,6 +229,22 @@ def test_close_during_pending_step(no_leaks):
     pool.close()
 
 
+def _cartpole_that_writes_at_exit(path: str) -> gym.Env:
+    import atexit
+
+    atexit.register(lambda: open(path, "a").write(f"{os.getpid()}\n"))
+    return gym.make("CartPole-v1")
+
+
+def test_a_closing_worker_runs_what_its_envs_registered_at_exit(no_leaks, tmp_path):
+    # Workers end without the interpreter's teardown (a second with torch imported), but the exit
+    # handlers still run.
+    path = tmp_path / "exits"
+    with EnvPool([functools.partial(_cartpole_that_writes_at_exit, str(path))] * 2, num_workers=2) as pool:
+        pids = pool.worker_pids
+    assert sorted(map(int, path.read_text().split())) == sorted(pids)
+
+
 def test_no_network_port_is_opened(no_leaks):
     with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:
         pool.reset()

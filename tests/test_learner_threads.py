@@ -46,6 +46,7 @@ def test_warns_when_torch_threads_outnumber_the_cores_the_workers_leave(two_core
     assert "torch.set_num_threads(1)" in message
     assert warning.filename == __file__  # points at the code that made the pool, not at ClusterEnv
     assert torch.get_num_threads() == 2  # told, not changed
+    assert len(_make_pool(1)) == 1  # one worker leaves one core, for two threads
 
 
 def test_an_inline_worker_counts_as_one_of_the_workers(two_cores_two_threads):
@@ -53,7 +54,6 @@ def test_an_inline_worker_counts_as_one_of_the_workers(two_cores_two_threads):
 
 
 def test_no_warning_within_the_cores_the_workers_leave(two_cores_two_threads, monkeypatch):
-    assert len(_make_pool(1)) == 1  # one worker leaves one core, for two threads
     torch.set_num_threads(1)
     assert _make_pool(2) == []
     torch.set_num_threads(2)
