@@ -104,15 +104,24 @@ def no_shm_left():
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("check", ["cartpole", "dict", "vector", "rollout"])
+CONTRACT_CHECKS = ("cartpole", "dict", "vector", "rollout")
+
+
+@pytest.mark.parametrize("mode", ["mpmd", "spmd"])
+@pytest.mark.parametrize("check", CONTRACT_CHECKS)
 def test_matches_dummy_vec_env(no_shm_left, mode, check):
     """2000 steps side by side with DummyVecEnv (``vector``: ClusterVectorEnv with SyncVectorEnv):
     obs, rewards, flags, infos identical; ``rollout``: worker-side rollouts equal a reference."""
     code, output, _ = launch(mode, "contract.py", check)
     assert code == 0 and f"OK {check}" in output, output
-    if mode != "spawn":
-        assert_exit_codes(output, "0,0,0")
+    assert_exit_codes(output, "0,0,0")
+
+
+def test_matches_dummy_vec_env_spawned(no_shm_left):
+    """The same checks from one plain python process, which spawns a pool for each in turn (a world
+    launch serves one pool)."""
+    code, output, _ = launch("spawn", "contract.py", *CONTRACT_CHECKS)
+    assert code == 0 and all(f"OK {check}" in output for check in CONTRACT_CHECKS), output
 
 
 @pytest.mark.slow
