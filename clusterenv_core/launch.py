@@ -19,6 +19,7 @@ import faulthandler
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import NoReturn
@@ -63,14 +64,18 @@ def run_worker_program(argv: list[str]) -> int:
 def end_worker_program(code: int) -> NoReturn:
     """End the worker program with exit code ``code`` once it has served, without the interpreter's teardown.
 
-    Its envs are closed by then. The atexit handlers still run (any an env registered) and the
-    standard streams are flushed; what is skipped is the teardown of every
-    module, which releases nothing the OS would not and takes about a second once torch is
-    imported -- a second every ``close()`` would wait for. multiprocessing ends its forked children
-    the same way. An MPI rank exits as usual: mpi4py finalizes MPI in that teardown, below atexit.
+    Its envs are closed by then. What Python does at exit still happens -- it waits for the threads
+    an env left running (unless daemon; the learner's ``close`` timeout bounds the wait), runs the
+    atexit handlers and flushes the standard streams -- except the teardown of every module, which
+    releases nothing the OS would not and takes about a second once torch is imported: a second
+    every ``close()`` would wait for. multiprocessing's forked children end with ``os._exit`` too. An
+    MPI rank exits as usual: mpi4py finalizes MPI in that teardown, below atexit.
     """
     if "mpi4py.MPI" in sys.modules:
         sys.exit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

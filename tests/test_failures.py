@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
@@ -229,20 +230,31 @@ def test_close_during_pending_step(no_leaks):
     pool.close()
 
 
-def _cartpole_that_writes_at_exit(path: str) -> gym.Env:
-    import atexit
+class _CartPoleThatLeavesWorkAtExit(gym.Wrapper):
+    """CartPole whose close() leaves a thread to finish, in a process where it registered an
+    atexit handler: both write ``<what> <pid>`` lines to ``path``."""
 
-    atexit.register(lambda: open(path, "a").write(f"{os.getpid()}\n"))
-    return gym.make("CartPole-v1")
+    def __init__(self, path: str) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.path = path
+        atexit.register(self._write, "atexit")
+
+    def _write(self, what: str) -> None:
+        with open(self.path, "a") as file:
+            file.write(f"{what} {os.getpid()}\n")
+
+    def close(self) -> None:
+        threading.Thread(target=lambda: (time.sleep(0.3), self._write("thread"))).start()
+        super().close()
 
 
-def test_a_closing_worker_runs_what_its_envs_registered_at_exit(no_leaks, tmp_path):
-    # Workers end without the interpreter's teardown (a second with torch imported), but the exit
-    # handlers still run.
+def test_a_closing_worker_finishes_what_its_envs_left_to_do_at_exit(no_leaks, tmp_path):
+    # Workers end without the interpreter's teardown (a second with torch imported), but they still
+    # wait for the threads their envs left and run the atexit handlers.
     path = tmp_path / "exits"
-    with EnvPool([functools.partial(_cartpole_that_writes_at_exit, str(path))] * 2, num_workers=2) as pool:
+    with EnvPool([functools.partial(_CartPoleThatLeavesWorkAtExit, str(path))] * 2, num_workers=2) as pool:
         pids = pool.worker_pids
-    assert sorted(map(int, path.read_text().split())) == sorted(pids)
+    assert sorted(path.read_text().splitlines()) == sorted(f"{what} {pid}" for what in ("atexit", "thread") for pid in pids)
 
 
 def test_no_network_port_is_opened(no_leaks):
