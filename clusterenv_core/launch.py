@@ -77,12 +77,18 @@ def end_worker_program(code: int) -> NoReturn:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    flush_standard_streams()
+    os._exit(code)
+
+
+def flush_standard_streams() -> None:
+    """Flush stdout and stderr before a process ends without Python's own exit, whatever became of
+    them (replaced, closed, or their reader gone)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (AttributeError, OSError, ValueError):  # replaced, closed or gone with the learner
+        except Exception:
             pass
-    os._exit(code)
 
 
 def abort_mpi_job(reason: str, code: int = 1) -> NoReturn:

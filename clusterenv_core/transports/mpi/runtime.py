@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Any
 
-from clusterenv_core.launch import launched_by_mpi
+from clusterenv_core.launch import flush_standard_streams, launched_by_mpi
 
 CONNECT_TIMEOUT_VARIABLE = "CLUSTERENV_MPI_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT = 600.0
@@ -84,7 +84,7 @@ def at_exit() -> None:
     if MPI is None or MPI.Is_finalized():
         return
     if State.abort_at_exit:
-        flush()
+        flush_standard_streams()
         print(
             f"clusterenv: {State.abort_at_exit}; aborting the MPI job instead of waiting for it forever in MPI_Finalize",
             file=sys.stderr,
@@ -97,7 +97,7 @@ def at_exit() -> None:
     if State.finalize_unsafe or pm_exited():
         if not State.owns_finalize:
             # mpi4py would call MPI_Finalize after us and crash: end the process here instead.
-            flush()
+            flush_standard_streams()
             print(
                 "clusterenv: MPI's process manager ended after a lost worker; exiting without MPI_Finalize",
                 file=sys.stderr,
@@ -107,14 +107,6 @@ def at_exit() -> None:
         return
     if State.owns_finalize:
         MPI.Finalize()
-
-
-def flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 def pid_alive(pid: int) -> bool:

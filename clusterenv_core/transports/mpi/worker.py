@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
+from clusterenv_core.launch import flush_standard_streams
 from clusterenv_core.protocol import OK, STEP, dumps
 from clusterenv_core.transports.base import WorkerConnection
-from clusterenv_core.transports.mpi.runtime import HOST, State, connect_timeout, flush, mpi, pid_alive
+from clusterenv_core.transports.mpi.runtime import HOST, State, connect_timeout, mpi, pid_alive
 from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
 from clusterenv_core.transports.mpi.waiting import Doorbell, PeerGone, Probe, poll
 from clusterenv_core.transports.mpi.wire import (
@@ -103,7 +104,7 @@ class MPIWorkerConnection(WorkerConnection):
             file=sys.stderr,
             flush=True,
         )
-        flush()
+        flush_standard_streams()
         os._exit(1)  # MPI_Finalize would wait for the unreachable learner
 
     def _check_learner(self) -> None:
@@ -265,21 +266,21 @@ class MPIWorkerConnection(WorkerConnection):
         self.datatypes = []
         if self.bell is not None:
             self.bell.close()
-        flush()
+        flush_standard_streams()
         if not self.learner_gone:
             if self.kind == "spawn":
                 # With the learner's Disconnect: MPICH's process manager treats an exit without it as a failure.
                 self.comm.Disconnect()
             # World ranks wait here, idle, until the learner finalizes too.
             MPI.Finalize()
-            flush()
+            flush_standard_streams()
             # C exit(), not os._exit(): MPICH finishes leaving its process manager in an exit handler
             # (without it the manager counts the rank as failed); Python's own exit would run the
             # script's finally blocks and atexit handlers, which an SPMD worker must not.
             import ctypes
 
             ctypes.CDLL(None).exit(0)
-        flush()
+        flush_standard_streams()
         os._exit(0)
 
 
@@ -319,7 +320,7 @@ def serve_as_worker() -> None:
     try:
         serve(connection)  # its close() finalizes MPI and exits
     finally:
-        flush()
+        flush_standard_streams()
         os._exit(0)
 
 
