@@ -293,6 +293,35 @@ def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwarg
     assert "_mlp_forward" not in pickle.loads(cloudpickle.dumps(shipped)).__dict__
 
 
+@pytest.mark.parametrize(
+    "observation_space, action_space",
+    [
+        (spaces.Box(-1.0, 1.0, (3, 4), np.float64), spaces.Box(-2.0, 2.0, (), np.float32)),
+        (spaces.Box(0, 255, (3, 8, 8), np.uint8), spaces.Box(-1.0, 1.0, (2, 3), np.float32)),
+        (spaces.Box(-1.0, 1.0, (5,), np.float32), spaces.Box(-1.0, 1.0, (21,), np.float32)),
+    ],
+    ids=["matrix-obs-scalar-action", "image-obs-matrix-action", "wide-action"],
+)
+def test_lean_mlp_forward_follows_the_shapes_and_preprocessing_of_sb3s_forward(observation_space, action_space):
+    """Observations SB3 flattens or scales as images, actions it reshapes: the lean forward's
+    shortcuts (decided once per policy) give SB3's actions and log-probs, exactly."""
+    policy = ActorCriticPolicy(observation_space, action_space, lambda _: 3e-4, log_std_init=-0.7)
+    shipped = ActorCriticDeployable(policy).deployable_copy()
+    for seed in range(4):
+        observation_space.seed(seed)
+        obs = th.as_tensor(np.stack([observation_space.sample() for _ in range(7)]))
+        for deterministic in (False, True):
+            th.manual_seed(seed)
+            with th.inference_mode():  # as on a worker
+                out = shipped.act(obs, deterministic=deterministic)
+            th.manual_seed(seed)
+            with th.no_grad():
+                actions, _, log_probs = policy(obs, deterministic=deterministic)
+            assert out["actions"].shape == actions.shape == (7, *action_space.shape)
+            assert th.equal(out["actions"], actions) and th.equal(out["log_probs"], log_probs)
+    assert isinstance(shipped.__dict__["_mlp_forward"], _MlpForward)
+
+
 @pytest.mark.parametrize("share_features_extractor", [True, False])
 def test_other_policies_draw_what_sb3s_forward_draws_without_running_the_critic(share_features_extractor):
     image_space = spaces.Box(0, 255, (1, 36, 36), np.uint8)
