@@ -107,9 +107,7 @@ class _MessageSocket:
             self._buffer.extend(bytes(len(self._buffer)))
         view = memoryview(self._buffer)[self._end :]
         try:
-            # A reply is often in already (a worker on this core stepped while this process waited for
-            # it): one read finds it, where asking poll first would take a second system call.
-            count = self._spin_recv(view) if self.spin or deadline is not None else None
+            count = self._spin_recv(view) if self.spin else None
             if count is None:
                 if deadline is not None:
                     self._wait_readable(deadline, still_alive)
@@ -121,7 +119,7 @@ class _MessageSocket:
         self._end += count
 
     def _spin_recv(self, view: memoryview) -> int | None:
-        """Poll for up to ``spin`` seconds (once if 0); the bytes read, or ``None`` if nothing came."""
+        """Poll for up to ``spin`` seconds; the bytes read, or ``None`` if nothing came."""
         end = time.perf_counter() + self.spin
         while True:
             try:
