@@ -132,18 +132,17 @@ class ActorCriticDeployable(_Deployable):
         forward = self.__dict__.get("_mlp_forward")
         if forward is None:
             forward = self.__dict__["_mlp_forward"] = _MlpForward.of(policy) or _generic_forward(policy)
+        # SB3's policy.device looks through the parameters on every call: 7 µs of act() on 8 envs.
         device = forward.device if type(forward) is _MlpForward else policy.device
         actions, log_probs = forward(policy, _to_device(obs, device), deterministic)
         out = {"actions": actions, "log_probs": log_probs}
         if self._box:
-            low, high = self._low, self._high
-            if low.device != actions.device:
-                low, high = low.to(actions.device), high.to(actions.device)
+            low, high = self._low.to(actions.device), self._high.to(actions.device)
             if self._squash:
                 out["env_actions"] = low + (0.5 * (actions + 1.0) * (high - low))
             else:
                 out["env_actions"] = th.clamp(actions, low, high)
-        return out if actions.device.type == "cpu" else {key: value.cpu() for key, value in out.items()}
+        return {key: value.cpu() for key, value in out.items()}
 
     @th.no_grad()
     def action_dist(self, obs: Any) -> tuple:
@@ -185,8 +184,8 @@ def _own_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tu
     return actions, log_probs
 
 
-_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
-_LOG_SQRT_2PI_32 = np.float32(_LOG_SQRT_2PI)  # torch subtracts the Python float rounded to the tensor's float32
+# float32, as torch rounds the Python float it subtracts from a float32 tensor.
+_LOG_SQRT_2PI = np.float32(math.log(math.sqrt(2 * math.pi)))
 
 # Activation modules whose forward is one torch function.
 _ACTIVATIONS = {th.nn.Tanh: th.tanh, th.nn.ReLU: th.relu}
@@ -296,10 +295,9 @@ class _MlpForward:
             # The element-wise terms in numpy, a few times cheaper than torch's per-operation cost on
             # so few numbers and rounded alike (each operation is IEEE float32); the sum stays torch's,
             # whose order of additions numpy's would not follow.
-            on_cpu = out.device.type == "cpu"
-            mean, drawn = (out.numpy(), actions.numpy()) if on_cpu else (out.cpu().numpy(), actions.cpu().numpy())
-            terms = th.from_numpy(-np.square(drawn - mean) / twice_variance - log_of_std - _LOG_SQRT_2PI_32)
-            log_probs = (terms if on_cpu else terms.to(out.device)).sum(dim=1)
+            mean, drawn = out.cpu().numpy(), actions.cpu().numpy()
+            terms = -np.square(drawn - mean) / twice_variance - log_of_std - _LOG_SQRT_2PI
+            log_probs = th.from_numpy(terms).to(out.device).sum(dim=1)
         else:
             # torch's Categorical(logits=out): normalized logits, softmax probabilities, multinomial draws.
             logits = out - out.logsumexp(dim=-1, keepdim=True)
