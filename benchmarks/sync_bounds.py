@@ -1,6 +1,7 @@
 """What bounds a synchronous step on this machine: ClusterVecEnv beside the designs that bracket it.
 
     python benchmarks/sync_bounds.py [--workloads halfcheetah cartpole] [--envs 16 32] [--seconds 60]
+                                     [--extra-envs 0 1 2 3] [--learner-delay-us 10 20]
                                      [--json benchmarks/results/sync_bounds.json]
 
 Every configuration steps the same envs with the same random actions:
@@ -20,6 +21,15 @@ Every configuration steps the same envs with the same random actions:
   barrier after every step, with the learner out of the loop: the limit of any synchronous step
   on two cores.
 
+Two probes of where ClusterVecEnv's time goes, on request:
+
+- ``--learner-delay-us D``: **ClusterVecEnv, learner +D µs**, the same with D µs of busy work added
+  to every ``step_wait``: what a microsecond of the learner's work costs a step.
+- ``--extra-envs K``: **blocks A/B**, the two workers of a two-core pool with uneven blocks (the
+  polling worker, which has a core of its own, takes K envs more than half): two one-worker
+  ClusterVecEnvs, one polling and one sleeping, stepped as one pool steps its workers. Give 0 as
+  well: the even split of the same construction is what the others compare with.
+
 The machine's speed drifts within seconds, so the configurations take turns in chunks of 100
 steps (each after 10 unmeasured ones) for ``--seconds`` per workload: all share the same drift.
 The table gives each configuration's steps/s over all its chunks, its ratio to DummyVecEnv, and
@@ -35,7 +45,7 @@ import multiprocessing
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -208,6 +218,45 @@ class LearnerStepsABlock:
         self.remote.close()
 
 
+class DelayedClusterVecEnv(ClusterVecEnv):
+    """ClusterVecEnv with ``delay`` seconds of busy work added to every ``step_wait``."""
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]], delay: float) -> None:
+        super().__init__(env_fns)
+        self.delay = delay
+
+    def step_wait(self) -> tuple:
+        result = super().step_wait()
+        until = time.perf_counter() + self.delay
+        while time.perf_counter() < until:
+            pass
+        return result
+
+
+class UnevenBlocks:
+    """A two-core pool's two workers with blocks of any sizes: a polling and a sleeping one-worker
+    ClusterVecEnv, started in that order and the sleeping one waited for first, as a pool does."""
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]], first: int) -> None:
+        self.first = first
+        self.polling = ClusterVecEnv(env_fns[:first], num_workers=1, spinning_workers=1)
+        self.sleeping = ClusterVecEnv(env_fns[first:], num_workers=1, spinning_workers=0)
+
+    def reset(self) -> np.ndarray:
+        return np.concatenate([self.polling.reset(), self.sleeping.reset()])
+
+    def step(self, actions: np.ndarray) -> tuple:
+        self.polling.step_async(actions[: self.first])
+        self.sleeping.step_async(actions[self.first :])
+        second = self.sleeping.step_wait()
+        first = self.polling.step_wait()
+        return (*(np.concatenate(pair) for pair in zip(first[:3], second[:3])), first[3] + second[3])
+
+    def close(self) -> None:
+        self.polling.close()
+        self.sleeping.close()
+
+
 def _chunk(venv: Any, actions: list[np.ndarray], start: int) -> float:
     """Seconds for ``CHUNK_STEPS`` steps of ``venv``, after ``WARMUP_STEPS`` unmeasured ones."""
     if isinstance(venv, LockstepPair):
@@ -221,7 +270,9 @@ def _chunk(venv: Any, actions: list[np.ndarray], start: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(workload: str, num_envs: int, seconds: float) -> list[dict]:
+def measure(
+    workload: str, num_envs: int, seconds: float, extra_envs: Sequence[int] = (), learner_delays_us: Sequence[float] = ()
+) -> list[dict]:
     env_fns = [WORKLOADS[workload][0]] * num_envs
     action_space = env_fns[0]().action_space
     action_space.seed(0)
@@ -233,6 +284,11 @@ def measure(workload: str, num_envs: int, seconds: float) -> list[dict]:
         "learner steps a block": lambda: LearnerStepsABlock(env_fns),
         "lockstep pair": lambda: LockstepPair(env_fns, actions),
     }
+    for delay in learner_delays_us:
+        makers[f"ClusterVecEnv, learner +{delay:g} µs"] = lambda delay=delay: DelayedClusterVecEnv(env_fns, delay * 1e-6)
+    for extra in extra_envs:
+        first = num_envs // 2 + extra
+        makers[f"blocks {first}/{num_envs - first}"] = lambda first=first: UnevenBlocks(env_fns, first)
     venvs: dict[str, Any] = {}
     try:
         for name, make in makers.items():
@@ -271,6 +327,10 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["halfcheetah", "cartpole"], choices=list(WORKLOADS))
     parser.add_argument("--envs", type=int, nargs="+", default=[16, 32], help="one count per workload, in order")
     parser.add_argument("--seconds", type=float, default=60.0, help="seconds of turns per workload")
+    parser.add_argument("--extra-envs", type=int, nargs="*", default=[],
+                        help="uneven blocks: envs the polling worker takes beyond half (give 0 too)")
+    parser.add_argument("--learner-delay-us", type=float, nargs="*", default=[],
+                        help="ClusterVecEnv with this much busy work added to every step_wait")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "sync_bounds.json"))
     args = parser.parse_args()
     if CORES != 2:
@@ -278,10 +338,10 @@ def main() -> None:
 
     results = []
     for workload, num_envs in zip(args.workloads, args.envs):
-        rows = measure(workload, num_envs, args.seconds)
+        rows = measure(workload, num_envs, args.seconds, args.extra_envs, args.learner_delay_us)
         results += rows
         for row in rows:
-            print(f"{row['env']:16s} {num_envs:3d} envs  {row['config']:22s} {row['steps_per_s']:9.0f} steps/s", flush=True)
+            print(f"{row['env']:16s} {num_envs:3d} envs  {row['config']:30s} {row['steps_per_s']:9.0f} steps/s", flush=True)
 
     print()
     print("| env | envs | configuration | steps/s | vs DummyVecEnv | per-chunk ratio: median (quartiles) |")
