@@ -6,7 +6,8 @@
 Workloads: CartPole-v1; CartPole whose step busy-waits 200 µs (a stand-in for a costly simulator);
 Pong with SB3's ``AtariWrapper`` (``PongNoFrameskip-v4``, 84x84 frames); HalfCheetah-v5 (MuJoCo).
 Vectorizers: SB3's ``DummyVecEnv`` (one process) and ``SubprocVecEnv`` (fork), gymnasium's
-``AsyncVectorEnv``, ``ClusterVecEnv`` (local backend, one worker per core; again with
+``SyncVectorEnv`` and ``AsyncVectorEnv``, ``ClusterVectorEnv`` (the CleanRL adapter, which
+``SyncVectorEnv`` users compare with), ``ClusterVecEnv`` (local backend, one worker per core; again with
 ``inline_worker=True``, the last block stepped in the learner's process; the MPI backend with 2
 spawned ranks when mpi4py is installed), EnvPool (native C++ of the same task, where it has it and
 is installed: ``pip install envpool``; its Pong does its own preprocessing), and **ideal**: one
@@ -41,6 +42,7 @@ import gymnasium as gym
 import numpy as np
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
+from clusterenv_cleanrl import ClusterVectorEnv
 from clusterenv_core import LearnerThreadsWarning
 from clusterenv_sb3 import ClusterVecEnv
 
@@ -96,7 +98,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _worker_pids(venv: Any) -> list[int]:
-    if isinstance(venv, ClusterVecEnv):
+    if isinstance(venv, (ClusterVecEnv, ClusterVectorEnv)):
         return venv.pool.worker_pids
     processes = getattr(venv, "processes", None) or []
     return [process.pid for process in processes]
@@ -252,7 +254,9 @@ def vectorizers(workload: str, num_envs: int) -> dict[str, Callable[[], Any] | N
     makers: dict[str, Callable[[], Any] | None] = {
         "DummyVecEnv": lambda: DummyVecEnv(env_fns),
         "SubprocVecEnv(fork)": lambda: SubprocVecEnv(env_fns, start_method="fork"),
+        "SyncVectorEnv": lambda: gym.vector.SyncVectorEnv(env_fns),
         "AsyncVectorEnv": lambda: gym.vector.AsyncVectorEnv(env_fns),
+        "ClusterVectorEnv": lambda: ClusterVectorEnv(env_fns),
         "ClusterVecEnv": lambda: ClusterVecEnv(env_fns),
         "ClusterVecEnv(inline)": lambda: ClusterVecEnv(env_fns, inline_worker=True),
     }
@@ -280,7 +284,7 @@ def main() -> None:
     # libraries: one long-lived process that had run every other vectorizer before measured
     # ClusterVecEnv 0.96x DummyVecEnv on HalfCheetah-16, where a run of those two alone gave 1.39x.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["gymnasium", "numpy", "stable_baselines3", "clusterenv_sb3"])
+    context.set_forkserver_preload(["gymnasium", "numpy", "stable_baselines3", "clusterenv_sb3", "clusterenv_cleanrl"])
     results = []
     for workload in args.workloads:
         _, _, package = WORKLOADS[workload]

@@ -16,7 +16,7 @@ import pytest
 from gymnasium import spaces
 
 from clusterenv_cleanrl import ClusterVectorEnv
-from clusterenv_cleanrl.vector_env import GYMNASIUM_1
+from clusterenv_cleanrl.vector_env import GYMNASIUM_1, _numeric_infos
 from tests.compare import assert_same
 from tests.envs import IntFlagsEnv, SpacesEnv, make_dict_env
 
@@ -222,6 +222,52 @@ def test_final_observation_is_the_envs_own_dict():
         # DictObsEnv's keys are not in the space's (sorted) order.
         assert list(infos[final_key][index]) == list(expected[final_key][index])
     sync.close()
+
+
+def _add_info_loop(reference: gym.vector.VectorEnv, infos_by_index: dict[int, dict]) -> dict:
+    infos: dict = {}
+    for index in sorted(infos_by_index):
+        infos = reference._add_info(infos, infos_by_index[index], index)
+    return infos
+
+
+def test_numeric_infos_are_batched_as_gymnasiums_add_info_batches_them():
+    """The batched path for infos of numeric scalars gives what gymnasium's per-env loop gives (key
+    order, dtypes, values, masks), and leaves every other kind of info to that loop."""
+    reference = gym.vector.SyncVectorEnv([make_cartpole] * 5)
+
+    def info(t: int) -> dict:
+        return {
+            "t": t, "x": t / 3, "ok": t % 2 == 0, "y": np.float32(t / 7), "h": np.float16(t / 5),
+            "k": np.int8(-t), "u": np.uint64(2**64 - 1 - t), "z": np.float64(t * 1e300), "c": np.complex64(t + 1j),
+        }
+
+    some_envs = {0: info(1), 2: info(2), 4: info(3)}
+    every_env = {index: info(index) for index in range(5)}
+    other_order = {0: {"a": 1, "b": np.float32(2)}, 3: {"b": np.float32(4), "a": 3}}
+    for infos_by_index in (some_envs, every_env, other_order):
+        batched = _numeric_infos(infos_by_index, 5)
+        expected = _add_info_loop(reference, infos_by_index)
+        assert batched is not None and list(batched) == list(expected)
+        assert_same(batched, expected)
+    # Left to the loop: a key whose type changes between envs, different keys, non-numeric values,
+    # timedelta64, a key named as another key's mask, and 1.x's final_obs.
+    for infos_by_index in (
+        {0: {"a": 1}, 1: {"a": 1.0}},
+        {0: {"a": 1}, 1: {"a": 1, "b": 2}},
+        {0: {"a": np.True_}},
+        {0: {"a": np.zeros(2)}},
+        {0: {"a": "text"}},
+        {0: {"a": np.timedelta64(3, "s")}},
+        {0: {"a": 1, "_a": 2}},
+        {0: {"final_obs": 1.0}},
+    ):
+        assert _numeric_infos(infos_by_index, 5) is None, infos_by_index
+    # A Python int past int64 fails both ways alike.
+    for build in (lambda infos: _numeric_infos(infos, 5), lambda infos: _add_info_loop(reference, infos)):
+        with pytest.raises(OverflowError):
+            build({0: {"n": 1}, 3: {"n": 2**64}})
+    reference.close()
 
 
 @pytest.mark.parametrize("copy", [True, False])
