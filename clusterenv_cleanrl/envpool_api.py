@@ -27,6 +27,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_core import EnvPool
 from clusterenv_core.checks import check_int
 
@@ -43,9 +44,14 @@ def _copy(batch: Any) -> Any:
 def _batch_infos(infos: list[dict]) -> dict[str, Any]:
     """Per-env infos (one per batch position, maybe empty) as one dict of arrays with ``_key`` masks."""
     count = len(infos)
-    batched: dict[str, Any] = {}
-    for position, info in enumerate(infos):
-        _add_info(batched, info, position, count)
+    present = {position: info for position, info in enumerate(infos) if info}
+    if not present:
+        return {}
+    batched = numeric_infos(present, count)
+    if batched is None:
+        batched = {}
+        for position, info in present.items():
+            _add_info(batched, info, position, count)
     return batched
 
 

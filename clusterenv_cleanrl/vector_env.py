@@ -23,7 +23,6 @@ it is a context manager, and on gymnasium 0.29 it has :meth:`render` too.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import Any
@@ -32,6 +31,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_core import EnvPool, SpaceMismatchError, StepResult
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
@@ -58,49 +58,6 @@ def _start_pool(env_fns: Sequence[Callable[[], gym.Env]], autoreset_mode: str, o
         raise RuntimeError(str(error)) from error
 
 
-def _numeric_infos(infos_by_index: dict[int, dict], num_envs: int) -> dict[str, Any] | None:
-    """What gymnasium's ``VectorEnv._add_info`` builds from these infos, one array per key at once;
-    or ``None`` unless every info has the same keys and each key's values are one numeric scalar
-    type (MuJoCo's infos, Atari's). ``_add_info`` is a Python loop over envs and keys, about a
-    microsecond per value, paid on the learner between two steps.
-
-    Both gymnasium versions give such a key ``np.zeros(num_envs, dtype=type(value))`` filled with
-    its values and a boolean mask, inserted key then mask, in the order the first env has them;
-    with one type per key, converting the values at once stores the same bits (and raises the same
-    ``OverflowError`` for a Python int past int64). Keys named as another key's mask, and
-    ``final_obs`` (1.x batches it as objects), are left to ``_add_info``.
-    """
-    indices = sorted(infos_by_index)
-    env_infos = [infos_by_index[index] for index in indices]
-    keys = env_infos[0].keys()
-    if "final_obs" in keys or any(f"_{key}" in keys for key in keys) or any(info.keys() != keys for info in env_infos):
-        return None
-    every_env = len(indices) == num_envs
-    infos: dict[str, Any] = {}
-    for key in keys:
-        values = list(map(operator.itemgetter(key), env_infos))
-        value_type = type(values[0])
-        if not _batchable(value_type) or set(map(type, values)) != {value_type}:
-            return None
-        mask = np.zeros(num_envs, dtype=np.bool_)
-        if every_env:
-            array = np.array(values, dtype=value_type)
-            mask.fill(True)
-        else:
-            array = np.zeros(num_envs, dtype=value_type)
-            array[indices], mask[indices] = values, True
-        infos[key], infos[f"_{key}"] = array, mask
-    return infos
-
-
-def _batchable(value_type: type) -> bool:
-    """The test both gymnasium versions apply before batching a value in an array of its own type,
-    less ``timedelta64``, whose array would take its unit from the values instead of staying generic."""
-    if value_type in (int, float, bool):
-        return True
-    return issubclass(value_type, np.number) and not issubclass(value_type, np.timedelta64)
-
-
 class _PoolVectorEnv(gym.vector.VectorEnv):
     """What both gymnasium versions share: the pool, batching observations, per-env access, closing."""
 
@@ -124,7 +81,7 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
         """The per-env infos (non-empty ones, by env index) as one dict of arrays with ``_key`` masks."""
         if not infos_by_index:
             return {}
-        infos = _numeric_infos(infos_by_index, self.num_envs)
+        infos = numeric_infos(infos_by_index, self.num_envs)
         if infos is None:
             infos = {}
             for index in sorted(infos_by_index):

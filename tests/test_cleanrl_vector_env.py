@@ -16,7 +16,8 @@ import pytest
 from gymnasium import spaces
 
 from clusterenv_cleanrl import ClusterVectorEnv
-from clusterenv_cleanrl.vector_env import GYMNASIUM_1, _numeric_infos
+from clusterenv_cleanrl.batched_infos import numeric_infos
+from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from tests.compare import assert_same
 from tests.envs import IntFlagsEnv, SpacesEnv, make_dict_env
 
@@ -246,7 +247,7 @@ def test_numeric_infos_are_batched_as_gymnasiums_add_info_batches_them():
     every_env = {index: info(index) for index in range(5)}
     other_order = {0: {"a": 1, "b": np.float32(2)}, 3: {"b": np.float32(4), "a": 3}}
     for infos_by_index in (some_envs, every_env, other_order):
-        batched = _numeric_infos(infos_by_index, 5)
+        batched = numeric_infos(infos_by_index, 5)
         expected = _add_info_loop(reference, infos_by_index)
         assert batched is not None and list(batched) == list(expected)
         assert_same(batched, expected)
@@ -262,9 +263,9 @@ def test_numeric_infos_are_batched_as_gymnasiums_add_info_batches_them():
         {0: {"a": 1, "_a": 2}},
         {0: {"final_obs": 1.0}},
     ):
-        assert _numeric_infos(infos_by_index, 5) is None, infos_by_index
+        assert numeric_infos(infos_by_index, 5) is None, infos_by_index
     # A Python int past int64 fails both ways alike.
-    for build in (lambda infos: _numeric_infos(infos, 5), lambda infos: _add_info_loop(reference, infos)):
+    for build in (lambda infos: numeric_infos(infos, 5), lambda infos: _add_info_loop(reference, infos)):
         with pytest.raises(OverflowError):
             build({0: {"n": 1}, 3: {"n": 2**64}})
     reference.close()
