@@ -2,16 +2,37 @@
 
 ``ClusterVectorEnv`` (through gymnasium's ``VectorEnv._add_info``) and ``ClusterEnvPool`` (through
 its own copy of that loop, by batch position) batch per-env infos one env and key at a time.
-Infos of numeric scalars with the same keys in every env, the common case, are batched here
-instead, with the same result.
+Both go through :func:`batch_infos`, which batches infos of numeric scalars with the same keys in
+every env, the common case, in one go instead (:func:`numeric_infos`), with the same result.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+
+def batch_infos(
+    infos_by_index: dict[int, dict], num_envs: int, add_info: Callable[[dict[str, Any], dict, int], dict[str, Any]]
+) -> dict[str, Any]:
+    """The per-env infos batched: by :func:`numeric_infos` where it applies, else one
+    ``add_info(batched, info, index)`` per env in index order (gymnasium's ``_add_info`` or an equal).
+
+    :param infos_by_index: the non-empty infos, by env index (or batch position)
+    :param num_envs: the length of the arrays
+    :param add_info: adds one env's info to the batched dict and returns that dict
+    """
+    if not infos_by_index:
+        return {}
+    batched = numeric_infos(infos_by_index, num_envs)
+    if batched is None:
+        batched = {}
+        for index in sorted(infos_by_index):
+            batched = add_info(batched, infos_by_index[index], index)
+    return batched
 
 
 def numeric_infos(infos_by_index: dict[int, dict], num_envs: int) -> dict[str, Any] | None:

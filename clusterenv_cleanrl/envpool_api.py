@@ -27,7 +27,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from clusterenv_cleanrl.batched_infos import numeric_infos
+from clusterenv_cleanrl.batched_infos import batch_infos
 from clusterenv_core import EnvPool
 from clusterenv_core.checks import check_int
 
@@ -43,19 +43,11 @@ def _copy(batch: Any) -> Any:
 
 def _batch_infos(infos: list[dict]) -> dict[str, Any]:
     """Per-env infos (one per batch position, maybe empty) as one dict of arrays with ``_key`` masks."""
-    count = len(infos)
     present = {position: info for position, info in enumerate(infos) if info}
-    if not present:
-        return {}
-    batched = numeric_infos(present, count)
-    if batched is None:
-        batched = {}
-        for position, info in present.items():
-            _add_info(batched, info, position, count)
-    return batched
+    return batch_infos(present, len(infos), functools.partial(_add_info, count=len(infos)))
 
 
-def _add_info(batched: dict[str, Any], info: dict, position: int, count: int) -> None:
+def _add_info(batched: dict[str, Any], info: dict, position: int, count: int) -> dict[str, Any]:
     for key, value in info.items():
         if isinstance(value, dict):
             _add_info(batched.setdefault(key, {}), value, position, count)
@@ -69,6 +61,7 @@ def _add_info(batched: dict[str, Any], info: dict, position: int, count: int) ->
                     batched[key] = np.full(count, None, dtype=object)
             batched[key][position] = value
         batched.setdefault(f"_{key}", np.zeros(count, dtype=bool))[position] = True
+    return batched
 
 
 class ClusterEnvPool:

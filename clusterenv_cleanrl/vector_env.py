@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from clusterenv_cleanrl.batched_infos import numeric_infos
+from clusterenv_cleanrl.batched_infos import batch_infos
 from clusterenv_core import EnvPool, SpaceMismatchError, StepResult
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
@@ -79,14 +79,7 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
 
     def _vector_infos(self, infos_by_index: dict[int, dict]) -> dict[str, Any]:
         """The per-env infos (non-empty ones, by env index) as one dict of arrays with ``_key`` masks."""
-        if not infos_by_index:
-            return {}
-        infos = numeric_infos(infos_by_index, self.num_envs)
-        if infos is None:
-            infos = {}
-            for index in sorted(infos_by_index):
-                infos = self._add_info(infos, infos_by_index[index], index)
-        return infos
+        return batch_infos(infos_by_index, self.num_envs, self._add_info)
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call method ``name`` of every env with ``args`` and ``kwargs``, or get it if it is not callable.
