@@ -41,10 +41,11 @@ def _copy(batch: Any) -> Any:
     return np.array(batch)
 
 
-def _batch_infos(infos: list[dict]) -> dict[str, Any]:
-    """Per-env infos (one per batch position, maybe empty) as one dict of arrays with ``_key`` masks."""
-    present = {position: info for position, info in enumerate(infos) if info}
-    return batch_infos(present, len(infos), functools.partial(_add_info, count=len(infos)))
+def _batch_infos(infos_by_env: dict[int, dict], env_ids: list[int]) -> dict[str, Any]:
+    """The infos of the envs ``env_ids`` (by env id; empty ones may be missing) as one dict of arrays
+    by batch position, with ``_key`` masks."""
+    present = {position: infos_by_env[env] for position, env in enumerate(env_ids) if infos_by_env.get(env)}
+    return batch_infos(present, len(env_ids), functools.partial(_add_info, count=len(env_ids)))
 
 
 def _add_info(batched: dict[str, Any], info: dict, position: int, count: int) -> dict[str, Any]:
@@ -131,7 +132,7 @@ class ClusterEnvPool:
         """The first ``batch_size`` envs whose results are in: observations, rewards (float64),
         terminations, truncations and infos (with ``env_id``)."""
         result = self.batches.recv()
-        infos = _batch_infos([result.infos.get(env, {}) for env in result.env_ids.tolist()])
+        infos = _batch_infos(result.infos, result.env_ids.tolist())
         infos["env_id"] = result.env_ids.astype(np.int32)
         rewards = result.rewards.astype(np.float64)
         return _copy(result.obs), rewards, result.terminated.copy(), result.truncated.copy(), infos
@@ -153,7 +154,7 @@ class ClusterEnvPool:
             return obs, infos
         env_ids = np.asarray(env_id)
         obs, infos_by_env = self.batches.reset_envs(env_ids)
-        infos = _batch_infos([infos_by_env.get(env, {}) for env in env_ids.tolist()])
+        infos = _batch_infos(infos_by_env, env_ids.tolist())
         infos["env_id"] = env_ids.astype(np.int32)
         return obs, infos
 
