@@ -10,12 +10,14 @@
 #
 # Each part prints "SKIPPED: <why>" and counts as skipped where the machine cannot run it (no root,
 # no namespaces, no Slurm); any other failure makes this script exit non-zero. Each part is bounded
-# by a timeout.
+# by a timeout. Afterwards nothing may be left in /dev/shm, which every namespace host shares, though
+# the parts kill ranks (docs/mpi.md, "Shared memory").
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 failed=0
 summary=()
+shm_before="$(ls /dev/shm 2>/dev/null | sort)"
 
 run() {  # run <name> <seconds> <command...>
     local name=$1 seconds=$2 started=$SECONDS status output
@@ -40,6 +42,12 @@ run() {  # run <name> <seconds> <command...>
 run slurm 420 bash "$HERE/slurm.sh"
 run "several hosts" 300 bash "$HERE/netns.sh" contract partition kill
 run "latency benchmark (smoke)" 300 bash "$HERE/netns.sh" bench --quick
+
+shm_left="$(comm -13 <(echo "$shm_before") <(ls /dev/shm 2>/dev/null | sort))"
+if [ -n "$shm_left" ]; then
+    summary+=("FAILED: left in /dev/shm: $(echo $shm_left)")
+    failed=1
+fi
 
 echo "== cluster suite"
 printf '   %s\n' "${summary[@]}"

@@ -30,7 +30,7 @@ from clusterenv_core.transports.mpi.heartbeat import (
     threads_allowed,
 )
 from clusterenv_core.transports.mpi.launcher import process_manager
-from clusterenv_core.transports.mpi.runtime import HOST, State, mpi, pid_alive, pm_exited
+from clusterenv_core.transports.mpi.runtime import HOST, State, mpi, pid_alive, pm_exited, unlink_shared_memory_names
 from clusterenv_core.transports.mpi.waiting import MIN_NAP, Doorbell, PeerGone, Probe, poll
 from clusterenv_core.transports.mpi.wire import (
     ALIGN,
@@ -241,6 +241,7 @@ class MPITransport(Transport):
             hello = self._receive_pickled(probe)
             self.pids[worker], self.hosts[worker] = hello["pid"], hello["host"]
             threads[worker] = hello["threads"]
+        unlink_shared_memory_names()  # every rank has passed MPI_Init
         self._bells = [None] * count
         listener = name = None
         if self.doorbell and HOST in self.hosts and sys.platform.startswith("linux"):

@@ -4,7 +4,9 @@ Importing mpi4py initializes MPI, so only this module imports it, on first use (
 learner that may spawn (a plain ``python train.py``) finalizes MPI itself at exit, after its pools
 have closed, and skips finalization when a lost worker took MPICH's process manager down (it would
 crash). A learner whose world rank could not be closed aborts the job instead of waiting for it in
-``MPI_Finalize`` forever. See ``docs/mpi.md``.
+``MPI_Finalize`` forever. Once every rank of a job has started, each removes the names of MPICH's
+shared-memory segments it maps (:func:`unlink_shared_memory_names`), so that a killed rank leaves
+nothing in ``/dev/shm``. See ``docs/mpi.md``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from clusterenv_core.launch import flush_standard_streams, launched_by_mpi
 
 CONNECT_TIMEOUT_VARIABLE = "CLUSTERENV_MPI_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT = 600.0
+SHARED_MEMORY_DIRECTORY = "/dev/shm/"
+MPICH_SEGMENT_PREFIX = "mpich_shm_"
 ABORT_REPORT_SECONDS = 0.3  # before MPI_Abort at exit: time for the launcher to forward the reason
 HOST = socket.gethostname()
 
@@ -107,6 +111,31 @@ def at_exit() -> None:
         return
     if State.owns_finalize:
         MPI.Finalize()
+
+
+def unlink_shared_memory_names() -> None:
+    """Remove the names of MPICH's shared-memory segments this process maps (Linux; others: nothing).
+
+    MPICH creates them in ``MPI_Init``, every rank of the host opens them by name there, and only
+    ``MPI_Finalize`` removes the names: a rank that is killed (by us, by MPICH's process manager
+    after another rank died, by a scheduler) leaves them in ``/dev/shm`` for good. Called once every
+    rank of the job has passed ``MPI_Init`` (the learner has each one's hello), when nothing opens
+    them by name anymore; the memory stays mapped and is freed when the last rank unmaps it, however
+    it ends. MPICH's ``MPI_Finalize`` does not mind that the name is gone.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return
+    prefix = SHARED_MEMORY_DIRECTORY + MPICH_SEGMENT_PREFIX
+    paths = {line.split(maxsplit=5)[-1].rstrip("\n") for line in lines}
+    for path in paths:
+        if path.startswith(prefix) and not path.endswith(" (deleted)"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # removed by another rank of this host meanwhile
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,7 +25,14 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views,
 from clusterenv_core.launch import flush_standard_streams
 from clusterenv_core.protocol import OK, STEP, dumps
 from clusterenv_core.transports.base import WorkerConnection
-from clusterenv_core.transports.mpi.runtime import HOST, State, connect_timeout, mpi, pid_alive
+from clusterenv_core.transports.mpi.runtime import (
+    HOST,
+    State,
+    connect_timeout,
+    mpi,
+    pid_alive,
+    unlink_shared_memory_names,
+)
 from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
 from clusterenv_core.transports.mpi.waiting import Doorbell, PeerGone, Probe, poll
 from clusterenv_core.transports.mpi.wire import (
@@ -66,6 +73,7 @@ class MPIWorkerConnection(WorkerConnection):
         probe.message.Recv(buffer)
         poll(request.Test, float("inf"), 0.0, 5e-3)
         config = pickle.loads(buffer)
+        unlink_shared_memory_names()  # the learner sends the config once every rank has said hello
         self.bell: Doorbell | None = None
         if config["doorbell"] is not None:
             try:
