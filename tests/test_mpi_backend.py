@@ -29,7 +29,8 @@ WORKERS = 2
 def launch(
     mode: str, script: str, *args: str, timeout: float = 300.0, worker: list[str] | None = None
 ) -> tuple[int, str, float]:
-    """Run ``script`` in launch ``mode`` with 2 worker ranks; returns (exit code, output, seconds).
+    """Run ``script`` in launch ``mode`` with 2 worker ranks (``learners``: 2 ranks under mpiexec, for
+    scripts whose learners spawn their own); returns (exit code, output, seconds).
 
     MPMD worker ranks run ``worker`` (default: the worker program without arguments, as users type it).
     """
@@ -39,7 +40,9 @@ def launch(
         command = [python, path, *args]
     else:
         assert MPIEXEC, "mpiexec not found next to the interpreter nor on PATH"
-        if mode == "mpmd":
+        if mode == "learners":  # two ranks, each a learner (launch="spawn" under mpiexec)
+            command = [MPIEXEC, "-print-all-exitcodes", "-n", "2", python, path, *args]
+        elif mode == "mpmd":
             worker = worker or [python, "-m", "clusterenv_core.worker"]
             command = [MPIEXEC, "-print-all-exitcodes", "-n", "1", python, path, *args, ":", "-n", str(WORKERS), *worker]
         else:
@@ -119,6 +122,14 @@ def test_matches_dummy_vec_env_spawned():
     launch serves one pool)."""
     code, output, _ = launch("spawn", "contract.py", *CONTRACT_CHECKS)
     assert code == 0 and all(f"OK {check}" in output for check in CONTRACT_CHECKS), output
+
+
+def test_spawn_under_mpiexec_gives_every_learner_its_own_workers():
+    """launch="spawn" in a job of two ranks: two learners, each spawning two worker ranks of its own,
+    both identical to DummyVecEnv."""
+    code, output, _ = launch("learners", "contract.py", "several_learners")
+    assert code == 0 and output.count("OK several_learners") == 2, output
+    assert_exit_codes(output, "0,0")
 
 
 @pytest.mark.slow

@@ -6,8 +6,10 @@ Usage (the checks run in order; a world launch serves one pool, so give it one c
     python contract.py cartpole dict ppo                                          # spawn
     mpiexec -n 1 python contract.py cartpole : -n 2 python -m clusterenv_core.worker   # MPMD
     mpiexec -n 3 python contract.py cartpole                                      # SPMD
+    mpiexec -n 2 python contract.py several_learners                              # 2 learners, each spawning
 
-Rank 0 prints ``OK <check>`` for every check that passed; a failed check raises.
+Rank 0 (every rank, for ``several_learners``) prints ``OK <check>`` for every check that passed; a
+failed check raises.
 In SPMD launches the MPI pool is created before anything else, so worker ranks do no other work.
 """
 
@@ -25,10 +27,10 @@ import numpy as np  # noqa: E402
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.envs import make_dict_env  # noqa: E402
 
-def side_by_side(env_fns) -> None:
+def side_by_side(env_fns, **options) -> None:
     from tests.test_sb3_contract import run_side_by_side
 
-    run_side_by_side(env_fns, backend="mpi", num_workers=2)
+    run_side_by_side(env_fns, backend="mpi", num_workers=2, **options)
 
 
 def vector() -> None:
@@ -99,6 +101,8 @@ CHECKS = {
     "cartpole": lambda: side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8),
     # 5 envs on 2 workers: uneven blocks; Dict observations, Box actions, truncation at 25 steps.
     "dict": lambda: side_by_side([make_dict_env] * 5),
+    # Under mpiexec with launch="spawn", every world rank is a learner with worker ranks of its own.
+    "several_learners": lambda: side_by_side([functools.partial(gym.make, "CartPole-v1")] * 4, launch="spawn"),
     "vector": vector,
     "ppo": ppo,
     "rollout": rollout,
