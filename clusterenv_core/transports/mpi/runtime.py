@@ -116,12 +116,12 @@ def at_exit() -> None:
 def unlink_shared_memory_names() -> None:
     """Remove the names of MPICH's shared-memory segments this process maps (Linux; others: nothing).
 
-    MPICH creates them in ``MPI_Init``, every rank of the host opens them by name there, and only
-    ``MPI_Finalize`` removes the names: a rank that is killed (by us, by MPICH's process manager
-    after another rank died, by a scheduler) leaves them in ``/dev/shm`` for good. Called once every
-    rank of the job has passed ``MPI_Init`` (the learner has each one's hello), when nothing opens
-    them by name anymore; the memory stays mapped and is freed when the last rank unmaps it, however
-    it ends. MPICH's ``MPI_Finalize`` does not mind that the name is gone.
+    The ranks of a host attach them by name while they start, and MPICH (5.0.2 here) removes some
+    of the names only in ``MPI_Finalize``: a rank that is killed (by us, by MPICH's process manager
+    after another rank died, by a scheduler) leaves those in ``/dev/shm`` for good. Called once
+    every rank of the pool has started (the learner has each one's hello), when they are attached;
+    the memory stays mapped and is freed when the last rank unmaps it, however it ends. MPICH's
+    ``MPI_Finalize`` does not mind that the name is gone.
     """
     try:
         with open("/proc/self/maps") as maps:
