@@ -316,6 +316,37 @@ def test_worker_program_outside_an_mpi_job_says_how_to_launch_it():
     assert bare.returncode == 2 and "usage: python -m clusterenv_core.worker" in bare.stderr
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_only_mpich_segment_names_this_process_maps_are_removed():
+    """unlink_shared_memory_names removes the names of MPICH's segments this process maps, and
+    leaves every other file in /dev/shm alone: another program's segment, even one mapped here,
+    and an MPICH segment this process does not map (another job's)."""
+    import mmap
+
+    from clusterenv_core.transports.mpi.runtime import unlink_shared_memory_names
+
+    tag = f"{os.getpid()}_{time.monotonic_ns()}"
+    paths = {name: f"/dev/shm/{name}" for name in (f"mpich_shm_{tag}_0", f"user_segment_{tag}", f"mpich_shm_{tag}_other")}
+    maps = []
+    try:
+        for name, path in paths.items():
+            with open(path, "wb") as file:
+                file.truncate(4096)
+            if not name.endswith("_other"):
+                with open(path, "r+b") as file:
+                    maps.append(mmap.mmap(file.fileno(), 4096))
+        unlink_shared_memory_names()
+        left = {name for name, path in paths.items() if os.path.exists(path)}
+        assert left == {f"user_segment_{tag}", f"mpich_shm_{tag}_other"}
+        unlink_shared_memory_names()  # names already removed (mapped as "(deleted)") are skipped
+    finally:
+        for segment in maps:
+            segment.close()
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_importing_clusterenv_does_not_import_mpi4py():
     code = "import sys, clusterenv_core, clusterenv_sb3; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
