@@ -86,15 +86,20 @@ def assert_exit_codes(output: str, codes: str) -> None:
     assert re.search(rf"Exit codes: \[[^\]]+\] {re.escape(codes)}\s*$", output, re.MULTILINE), output
 
 
+def shm_names() -> set[str]:
+    """The names in ``/dev/shm`` (none where there is no such directory)."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.fixture(autouse=True)
 def no_shm_left():
     """Every launch leaves no shared-memory segment (MPICH's or ours) behind, even one whose ranks
     were killed: each rank removes the names of MPICH's segments once every rank has started."""
-    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    before = shm_names()
     yield
     deadline = time.monotonic() + 5
     while True:
-        left = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - before
+        left = shm_names() - before
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -296,9 +301,9 @@ def test_learner_gives_up_on_a_rank_that_never_starts_mpi(monkeypatch):
     there: the one case that leaves one (README, "MPI backend"). The test removes it.
     """
     monkeypatch.setenv("CLUSTERENV_MPI_CONNECT_TIMEOUT", "5")
-    before = set(os.listdir("/dev/shm"))
+    before = shm_names()
     code, output, seconds = launch("mpmd", "contract.py", "cartpole", worker=[sys.executable, "-c", "raise SystemExit(1)"], timeout=60)
-    left = set(os.listdir("/dev/shm")) - before
+    left = shm_names() - before
     for name in left:
         os.unlink(os.path.join("/dev/shm", name))
     assert code != 0 and "Timeout" in output and "mpi/runtime.py" in output, output
