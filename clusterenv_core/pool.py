@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -521,11 +522,7 @@ class EnvPool(DeprecatedPoolMethods):
             awaiting.pop(worker, None)
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
-                    error_class = ENV_ERROR_CLASSES.get(result.exc_type, EnvError)
-                    operation = result.operation if result.operation != "step" else what
-                    first_error = error_class(
-                        result.env_index, worker, operation, result.exc_type, result.message, result.traceback
-                    )
+                    first_error = _remote_error(worker, result, what)
             else:
                 results[worker] = result
                 if on_reply is not None:
@@ -596,12 +593,18 @@ class EnvPool(DeprecatedPoolMethods):
         return self._transport.workers_on_this_host()
 
     def close(self) -> None:
-        """Stop every worker and free every resource; idempotent, also runs at interpreter exit."""
+        """Stop every worker and free every resource; idempotent, also runs at interpreter exit.
+
+        If envs raised in their own ``close()``, the first one's :class:`EnvError` is raised once
+        everything is released, as ``DummyVecEnv.close()`` lets it through.
+        """
         if self._closed:
             return
         self._closed = True
         self._stepping = False
-        self._finalizer()
+        error = self._finalizer()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> EnvPool:
         return self
@@ -629,6 +632,13 @@ def _reply_timeout(request_type: type | None, timeout: float) -> float:
     return max(timeout, START_TIMEOUT) if request_type is not None and request_type.IMPORTS else timeout
 
 
+def _remote_error(worker: int, details: protocol.ErrorDetails, what: str) -> EnvError:
+    """The learner's exception for a worker's error reply (``what`` names a failed step)."""
+    error_class = ENV_ERROR_CLASSES.get(details.exc_type, EnvError)
+    operation = details.operation if details.operation != "step" else what
+    return error_class(details.env_index, worker, operation, details.exc_type, details.message, details.traceback)
+
+
 def _read_reply(transport: Transport, worker: int, request_type: type | None, timeout: float) -> tuple[str, Any]:
     """The worker's reply to a request of ``request_type`` (``None``: a step), read past its progress
     reports (each restarts the ``timeout``), with the result rows that follow it."""
@@ -641,27 +651,40 @@ def _read_reply(transport: Transport, worker: int, request_type: type | None, ti
     return status, result
 
 
-def _shutdown(transport: Transport, awaiting: dict[int, type | None]) -> None:
-    """Ask every worker to close its envs and exit, then make sure they have.
+def _shutdown(transport: Transport, awaiting: dict[int, type | None]) -> EnvError | None:
+    """Ask every worker to close its envs and exit, then make sure they have; returns the error of
+    the first env whose ``close()`` raised.
 
-    Kept apart from the pool so that it can run as the pool's finalizer at interpreter exit.
+    One deadline bounds the waits for all workers, however many are stuck. Kept apart from the pool
+    so that it can run as the pool's finalizer at interpreter exit (which drops what it returns).
     """
+    deadline = time.monotonic() + _CLOSE_TIMEOUT
+
+    def remaining(floor: float = 0.01) -> float:  # the floor still reads replies already there
+        return max(deadline - time.monotonic(), floor)
+
     asked, closed = [], set()
-    for worker in range(transport.num_workers):
-        if worker in transport.failed:
-            continue
-        try:
-            if worker in awaiting:  # a pending reply first, so the close reply is the next one
-                _read_reply(transport, worker, awaiting.pop(worker), _CLOSE_TIMEOUT)
-            transport.send(worker, protocol.Close())
-            asked.append(worker)
-        except ClusterEnvError:
-            awaiting.pop(worker, None)
-    for worker in asked:
-        try:
-            transport.recv(worker, _CLOSE_TIMEOUT)
+    first_error = None
+    try:
+        for worker in range(transport.num_workers):
+            if worker in transport.failed:
+                continue
+            try:
+                if worker in awaiting:  # a pending reply first, so the close reply is the next one
+                    _read_reply(transport, worker, awaiting.pop(worker), remaining())
+                transport.send(worker, protocol.Close())
+                asked.append(worker)
+            except ClusterEnvError:
+                awaiting.pop(worker, None)
+        for worker in asked:
+            try:
+                status, result = transport.recv(worker, remaining())
+            except ClusterEnvError:
+                continue
             closed.add(worker)
-        except ClusterEnvError:
-            pass
-    awaiting.clear()
-    transport.close(_CLOSE_TIMEOUT, closed)
+            if status == ERROR and first_error is None:
+                first_error = _remote_error(worker, result, "close")
+    finally:
+        awaiting.clear()
+        transport.close(remaining(floor=1.0), closed)  # a second for the closed ones to exit
+    return first_error

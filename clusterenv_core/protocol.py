@@ -26,6 +26,7 @@ import copyreg
 import io
 import pickle
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -233,16 +234,53 @@ class _Pickler(pickle.Pickler):
     dispatch_table = {**copyreg.dispatch_table, **dict.fromkeys(_SCALAR_VALUES, _reduce_scalar)}
 
 
+# What plain pickle writes for a class or function of the running script: a reference by name that
+# a worker, whose ``__main__`` is not the script, cannot resolve.
+_SCRIPT_MODULES = (b"__main__", b"__mp_main__")
+
+
 def dumps(obj: Any) -> bytes:
-    """Pickle (numpy scalars by value, see above), falling back to :func:`dumps_code` for closures and lambdas."""
+    """Pickle (numpy scalars by value, see above), falling back to :func:`dumps_code` for closures,
+    lambdas and anything that refers to the running script (a class or function the user's script
+    defines, passed in reset options, ``set_attr`` or ``call``)."""
     if type(obj) is tuple and len(obj) == 2 and obj[1] is None:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # (OK, None): no pickler to set up
     try:
         buffer = io.BytesIO()
         _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        return buffer.getvalue()
+        data = buffer.getvalue()
     except Exception:
         return dumps_code(obj)
+    if any(name in data for name in _SCRIPT_MODULES):  # a string that merely holds the name costs only speed
+        return dumps_code(obj)
+    return data
+
+
+class Unreadable(NamedTuple):
+    """A message that arrived whole but cannot be unpickled where it arrived (it holds an object of a
+    module that process cannot import). It has the shape of an error reply, so a learner reads it
+    as the worker's error, and a worker answers with it; either way the stream keeps its place and
+    the worker lives on."""
+
+    status: str
+    details: ErrorDetails
+
+
+def loads(data: Any, receiver: str) -> Any:
+    """Unpickle a message, or return :class:`Unreadable` if ``receiver`` ("the learner", "the
+    worker") cannot."""
+    try:
+        return pickle.loads(data)
+    except Exception as error:
+        details = ErrorDetails(
+            env_index=None,
+            operation="unpickling a message",
+            exc_type="pickle.UnpicklingError",  # not the cause's type: an AttributeError here is no missing attribute
+            message=f"{receiver} cannot unpickle the message ({type(error).__name__}: {error}); what travels "
+            "between the learner and its workers must unpickle on both sides, its classes importable there",
+            traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        )
+        return Unreadable(ERROR, details)
 
 
 def dumps_code(obj: Any) -> bytes:

@@ -73,6 +73,14 @@ class WorkerRestarts:
             raise pool._fail(error) from None
         self.counts[worker] += 1
         pool.restarts["workers"] += 1
+        try:
+            return self._take_over(worker, error)
+        except ClusterEnvError as failure:  # e.g. the factories raise now: the pool cannot go on
+            raise pool._fail(failure) from error
+
+    def _take_over(self, worker: int, error: ClusterEnvError) -> dict:
+        """Build the lost worker's envs on its replacement; returns the block's step result."""
+        pool = self.pool
         from clusterenv_core.pool import START_TIMEOUT
 
         start_timeout = max(pool.timeout, START_TIMEOUT)

@@ -72,9 +72,19 @@ class SpaceLayout:
         return None
 
     def writer(self, arrays: list[np.ndarray]) -> Callable[[int, Any], None]:
-        """A function ``(row, value)`` storing into ``arrays``; a bare ``__setitem__`` for one-field spaces."""
+        """A function ``(row, value)`` storing into ``arrays`` as :meth:`write` does, with no tree walk
+        and no conversion for one-field spaces when the value is already an array of the field's kind."""
         if isinstance(self._tree, int):
-            return arrays[self._tree].__setitem__
+            array, field = arrays[self._tree], self.fields[self._tree]
+            shape, dtype, setitem = field.shape, field.dtype, array.__setitem__
+
+            def write(row: int, value: Any) -> None:
+                if type(value) is np.ndarray and value.dtype is dtype and value.shape == shape:
+                    setitem(row, value)
+                else:
+                    _store(field, array, row, value)
+
+            return write
         return functools.partial(self.write, arrays)
 
     def reader(self, arrays: list[np.ndarray]) -> Callable[[int], Any]:
@@ -98,12 +108,16 @@ class SpaceLayout:
         return tuple(self._batch(child, arrays) for child in node[1])
 
     def write(self, arrays: list[np.ndarray], row: int, value: Any) -> None:
-        """Store one env's ``value`` at ``row`` of ``arrays``."""
+        """Store one env's ``value`` at ``row`` of ``arrays``, as ``SyncVectorEnv`` batches it: each
+        leaf of exactly its field's shape, and of a dtype that casts to the field's within its kind
+        (a float64 observation of a float32 Box, as envs often return). Anything else raises
+        (:meth:`mismatch` says what), where a numpy assignment would broadcast a scalar over the row
+        or truncate floats into an integer field."""
         self._write(self._tree, arrays, row, value)
 
     def _write(self, node: Any, arrays: list[np.ndarray], row: int, value: Any) -> None:
         if isinstance(node, int):
-            arrays[node][row] = value
+            _store(self.fields[node], arrays[node], row, value)
         elif node[0] == "dict":
             if len(value) != len(node[1]):  # extra keys would be dropped without a word
                 raise ValueError(f"{len(value)} keys where the space has {len(node[1])}")
@@ -128,7 +142,7 @@ class SpaceLayout:
                 return f"{where}: {describe(value)} is no array ({error})"
             if array.shape != field.shape:
                 return f"{where}: shape {array.shape} where the space has {field.shape}"
-            if not np.can_cast(array.dtype, field.dtype, casting="unsafe") or array.dtype.kind in "OSUV":
+            if not np.can_cast(array.dtype, field.dtype, casting="same_kind"):
                 return f"{where}: dtype {array.dtype} where the space has {field.dtype}"
             return ""
         if node[0] == "dict":
@@ -235,27 +249,40 @@ class SpaceLayout:
         if isinstance(node, int):
             field = self.fields[node]
             leaves[node] = _as_field_array(field, batch, num_envs)
+        # Like SyncVectorEnv's iterate, a batch is read by the space's keys and positions: entries
+        # beyond them (log-probabilities kept with the actions, say) are ignored.
         elif node[0] == "dict":
-            _check_dict(batch, node[1], self.prefix)
+            _check_dict(batch, node[1], self.prefix, exact=False)
             for key, child in zip(node[1], node[2]):
                 self._collect(child, batch[key], leaves, num_envs)
         else:
-            _check_tuple(batch, len(node[1]), f"{self.prefix} (a tuple of batches, one per subspace)")
+            _check_tuple(batch, len(node[1]), f"{self.prefix} (a tuple of batches, one per subspace)", exact=False)
             for child, item in zip(node[1], batch):
                 self._collect(child, item, leaves, num_envs)
 
 
-def _check_dict(value: Any, keys: list, where: str) -> None:
+def _store(field: Field, array: np.ndarray, row: int, value: Any) -> None:
+    """Store one leaf value at ``row`` of its field's ``array`` (see :meth:`SpaceLayout.write`)."""
+    if type(value) is not np.ndarray or value.dtype != field.dtype or value.shape != field.shape:
+        value = np.asarray(value)
+        if value.shape != field.shape or not np.can_cast(value.dtype, field.dtype, casting="same_kind"):
+            raise ValueError(f"{field.name}: {value.dtype} of shape {value.shape} does not fit {field.dtype} of shape {field.shape}")
+    array[row] = value
+
+
+def _check_dict(value: Any, keys: list, where: str, exact: bool = True) -> None:
+    """A dict with the space's ``keys``, and with no other unless ``exact`` is false."""
     if not isinstance(value, dict):
         raise TypeError(f"{where}: expected a dict with keys {keys}, got {type(value).__name__}")
-    if set(value) != set(keys):
-        raise ValueError(f"{where}: expected a dict with keys {keys}, got {sorted(value)}")
+    if set(value) != set(keys) if exact else not set(keys) <= set(value):
+        raise ValueError(f"{where}: expected a dict with keys {keys}, got {sorted(value, key=str)}")
 
 
-def _check_tuple(value: Any, length: int, where: str) -> None:
+def _check_tuple(value: Any, length: int, where: str, exact: bool = True) -> None:
+    """A tuple (or list) of ``length`` items, or of more unless ``exact`` is false."""
     if not isinstance(value, (tuple, list)):
         raise TypeError(f"{where}: expected a tuple of {length}, got {type(value).__name__}")
-    if len(value) != length:
+    if len(value) != length if exact else len(value) < length:
         raise ValueError(f"{where}: expected a tuple of {length}, got {len(value)}")
 
 

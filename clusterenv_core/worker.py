@@ -66,10 +66,17 @@ class RemoteFailure(Exception):
                 env_index=None if self.slot is None else first_index + self.slot,
                 operation=self.operation,
                 exc_type=f"{type(error).__module__}.{type(error).__qualname__}",
-                message=str(error),
+                message=_message_of(error),
                 traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
             ),
         )
+
+
+def _message_of(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception as str_error:  # an exception's own __str__ may fail; the worker must not
+        return f"<str() of the {type(error).__name__} failed: {type(str_error).__name__}: {str_error}>"
 
 
 class EnvBlock:
@@ -416,6 +423,9 @@ class Worker:
             except RemoteFailure as failure:
                 reply = failure.reply(self.first_index)
             self._send_reply(connection.send_step, reply, "step")
+            return False
+        if type(request) is protocol.Unreadable:  # already shaped as the error reply it gets
+            connection.send(request)
             return False
         arrays = None
         try:

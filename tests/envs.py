@@ -243,7 +243,12 @@ class MisbehavingEnv(gym.Env):
 
     MODES = (
         "obs_shape",
+        "obs_scalar",
+        "obs_rows",
+        "obs_complex",
+        "obs_none",
         "dict_missing_key",
+        "dict_float_discrete",
         "dict_extra_key",
         "reward_array",
         "flag_not_bool",
@@ -285,6 +290,16 @@ class MisbehavingEnv(gym.Env):
             mode = self.mode
             if mode == "obs_shape":
                 obs = np.zeros(5)
+            elif mode == "obs_scalar":  # numpy would broadcast it over the row
+                obs = np.float32(0.5)
+            elif mode == "obs_rows":  # (1, 3) for (3,): numpy would drop the axis
+                obs = obs[None]
+            elif mode == "obs_complex":  # numpy would drop the imaginary part
+                obs = obs + 1j
+            elif mode == "obs_none":  # numpy would store NaNs
+                obs = None
+            elif mode == "dict_float_discrete":  # numpy would truncate 1.5 to 1
+                obs = dict(obs, b=1.5)
             elif mode == "dict_missing_key":
                 obs = {"a": obs["a"]}
             elif mode == "dict_extra_key":
@@ -375,3 +390,45 @@ class FuzzEnv(gym.Env):
         truncated = self.t >= self.max_steps
         reward = float(self.np_random.normal())
         return self.observation_space.sample(), reward, terminated, truncated, self._info()
+
+
+def cartpole_holding_a_worker_only_object(module_dir: str) -> gym.Env:
+    """CartPole whose ``thing`` is an object of a module only its worker imports (the factory puts
+    ``module_dir`` on the worker's path), as an env package installed on the worker hosts alone."""
+    import sys
+
+    sys.path.insert(0, module_dir)
+    import worker_only
+
+    env = gym.make("CartPole-v1")
+    env.unwrapped.thing = worker_only.Thing()
+    return env
+
+
+class UnprintableError(Exception):
+    """An exception whose ``str()`` fails, as some C extensions' do once their handle is gone."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("handle released")
+
+
+class UnprintableFailureEnv(gym.Wrapper):
+    """Raises :class:`UnprintableError` at step ``fail_at``."""
+
+    def __init__(self, env: gym.Env, fail_at: int) -> None:
+        super().__init__(env)
+        self.fail_at, self.total_steps = fail_at, 0
+
+    def step(self, action):
+        self.total_steps += 1
+        if self.total_steps == self.fail_at:
+            raise UnprintableError()
+        return self.env.step(action)
+
+
+class FailingCloseEnv(gym.Wrapper):
+    """Raises from ``close()``, as a recorder that cannot flush its file does."""
+
+    def close(self) -> None:
+        super().close()
+        raise OSError("could not flush the recording")

@@ -44,18 +44,37 @@ def _env_fns(name: str) -> list:
     return [functools.partial(EchoActionEnv, ACTION_SPACES[name])] * NUM_ENVS
 
 
-@pytest.mark.parametrize("name", list(ACTION_SPACES))
-def test_vector_env_splits_batches_as_sync_vector_env(name):
+def _step_both_with_sampled_batches(name: str, steps: int, batch_of=lambda sample: sample) -> None:
+    """ClusterVectorEnv and SyncVectorEnv stepped with ``batch_of`` each sampled batch: the same results."""
     env_fns = _env_fns(name)
     sync = gym.vector.SyncVectorEnv(env_fns)
     cluster = ClusterVectorEnv(env_fns, num_workers=2)
     with cluster:
         assert_same(cluster.reset(seed=1), sync.reset(seed=1), "reset")
         sync.action_space.seed(2)
-        for step in range(12):
-            actions = sync.action_space.sample()
+        for step in range(steps):
+            actions = batch_of(sync.action_space.sample())
             assert_same(cluster.step(actions), sync.step(actions), f"step {step}")
     sync.close()
+
+
+@pytest.mark.parametrize("name", list(ACTION_SPACES))
+def test_vector_env_splits_batches_as_sync_vector_env(name):
+    _step_both_with_sampled_batches(name, 12)
+
+
+def _with_extra_entries(space: spaces.Space, batch):
+    if isinstance(space, spaces.Dict):
+        return {**{key: _with_extra_entries(space[key], value) for key, value in batch.items()}, "logp": np.zeros(NUM_ENVS)}
+    if isinstance(space, spaces.Tuple):
+        return (*(_with_extra_entries(sub, item) for sub, item in zip(space, batch)), np.zeros(NUM_ENVS))
+    return batch
+
+
+@pytest.mark.parametrize("name", ["dict", "tuple", "nested"])
+def test_vector_env_ignores_batch_entries_beyond_the_space_as_sync_vector_env(name):
+    # A Dict batch with a key, or a Tuple batch with an item, that the space does not have.
+    _step_both_with_sampled_batches(name, 4, functools.partial(_with_extra_entries, ACTION_SPACES[name]))
 
 
 @pytest.mark.parametrize("name", ["box", "discrete", "dict", "tuple", "text", "tuple_with_text", "custom"])

@@ -15,6 +15,12 @@ from tests.envs import MisbehavingEnv
 # mode -> what the error must say (besides the env, the worker and the operation)
 EXPECTED = {
     "obs_shape": r"does not fit the observation space Box\(-1\.0, 1\.0, \(3,\), float32\): obs: shape \(5,\) where the space has \(3,\)",
+    # What SyncVectorEnv's batching refuses, and a numpy assignment would take by changing the data.
+    "obs_scalar": r"float32\): obs: shape \(\) where the space has \(3,\)",
+    "obs_rows": r"float32\): obs: shape \(1, 3\) where the space has \(3,\)",
+    "obs_complex": r"float32\): obs: dtype complex64 where the space has float32",
+    "obs_none": r"float32\): obs: shape \(\) where the space has \(3,\)",
+    "dict_float_discrete": r"obs\['b'\]: dtype float64 where the space has int64",
     "dict_missing_key": r"keys \['a'\] where the space has \['a', 'b'\] \(missing \['b'\], extra \[\]\)",
     "dict_extra_key": r"\(missing \[\], extra \['z'\]\)",
     "reward_array": r"the reward must be one number, got ndarray float64 \(2,\)",

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
-from tests.envs import CrashingEnv, FailingEnv, HangingEnv, SuicidalEnv
+from tests.envs import CrashingEnv, FailingCloseEnv, FailingEnv, HangingEnv, SuicidalEnv, UnprintableFailureEnv
 from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -156,6 +156,52 @@ def test_bad_actions_raise_before_anything_is_sent(no_leaks):
     pool.close()
 
 
+def _module(directory, name: str) -> str:
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.py").write_text("class Thing:\n    pass\n")
+    return str(directory)
+
+
+def test_a_request_the_worker_cannot_unpickle_is_reported_and_the_worker_lives_on(no_leaks, tmp_path):
+    # A module on the learner's path only after the workers started: they cannot import it.
+    pool = EnvPool([CARTPOLE] * 2, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    sys.path.insert(0, _module(tmp_path / "learner", "learner_only"))
+    try:
+        import learner_only
+
+        with pytest.raises(EnvError) as caught:
+            pool.set_attr("thing", [learner_only.Thing()], indices=[1])
+    finally:
+        sys.path.remove(str(tmp_path / "learner"))
+        sys.modules.pop("learner_only", None)
+    error = caught.value
+    assert (error.env_index, error.worker_index, error.exc_type) == (None, 1, "pickle.UnpicklingError")
+    assert "the worker cannot unpickle the message (ModuleNotFoundError: No module named 'learner_only')" in str(error)
+    assert "ModuleNotFoundError" in error.remote_traceback
+    # The worker read past the message and answers the next request.
+    pool.set_attr("thing", [7], indices=[1])
+    assert pool.get_attr("thing", indices=[1]) == [7]
+    _step_zeros(pool)
+    pool.close()
+
+
+def test_a_reply_the_learner_cannot_unpickle_is_reported_and_the_pool_lives_on(no_leaks, tmp_path):
+    from tests.envs import cartpole_holding_a_worker_only_object
+
+    factory = functools.partial(cartpole_holding_a_worker_only_object, _module(tmp_path, "worker_only"))
+    pool = EnvPool([CARTPOLE, factory], num_workers=2)
+    pool.reset(seeds=[0, 1])
+    with pytest.raises(EnvError) as caught:
+        pool.get_attr("thing", indices=[1])
+    error = caught.value
+    assert (error.env_index, error.worker_index, error.exc_type) == (None, 1, "pickle.UnpicklingError")
+    assert "the learner cannot unpickle the message (ModuleNotFoundError: No module named 'worker_only')" in str(error)
+    assert pool.get_attr("spec", indices=[1])[0].id == "CartPole-v1"
+    _step_zeros(pool)
+    pool.close()
+
+
 @pytest.mark.parametrize("how, status", [("segfault", "killed by SIGSEGV"), ("exit", "exited with code 3")])
 def test_a_dead_worker_says_why(no_leaks, how, status):
     """WorkerLostError carries the exit status and the last lines the worker wrote to stderr: here
@@ -211,6 +257,42 @@ def test_stuck_env_times_out_and_close_kills_it(no_leaks):
     started = time.monotonic()
     pool.close()
     assert time.monotonic() - started < 5
+
+
+def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks):
+    env_fns = [functools.partial(_wrapped, HangingEnv, hang_at=1)] * 4
+    pool = EnvPool(env_fns, num_workers=4)
+    pool.reset()
+    pool.step_async(np.zeros(4, np.int64))
+    time.sleep(0.5)  # every worker is inside its env's step
+    started = time.monotonic()
+    pool.close()
+    assert time.monotonic() - started < 8  # 5 s for them all, then the kill (not 5 s a worker)
+
+
+def test_an_env_failing_to_close_is_raised_once_everything_is_released(no_leaks):
+    pool = EnvPool([CARTPOLE, CARTPOLE, functools.partial(_wrapped, FailingCloseEnv)], num_workers=2)
+    pool.reset()
+    with pytest.raises(EnvError) as caught:
+        pool.close()
+    error = caught.value
+    assert (error.env_index, error.worker_index, error.operation) == (2, 1, "close")
+    assert "could not flush the recording" in str(error) and "in close" in error.remote_traceback
+    assert pool.closed
+    pool.close()  # idempotent, and the fixture checks that nothing is left
+
+
+def test_an_exception_whose_str_fails_is_reported_and_the_worker_lives_on(no_leaks):
+    pool = EnvPool([CARTPOLE, functools.partial(_wrapped, UnprintableFailureEnv, fail_at=2)], num_workers=2)
+    pool.reset(seeds=[0, 1])
+    pids = pool.worker_pids
+    _step_zeros(pool)
+    with pytest.raises(EnvError, match=r"tests\.envs\.UnprintableError: <str\(\) of the UnprintableError failed: RuntimeError: handle released>"):
+        _step_zeros(pool)
+    assert pool.worker_pids == pids
+    pool.reset()
+    _step_zeros(pool)
+    pool.close()
 
 
 def test_close_is_idempotent_and_calls_after_close_fail(no_leaks):

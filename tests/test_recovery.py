@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import gymnasium as gym
 import numpy as np
 import pytest
 
-from clusterenv_core import EnvError, EnvPool, WorkerLostError
+from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from tests.envs import FailingEnv, HangingEnv, SuicidalEnv
 
@@ -25,6 +26,14 @@ def _zeros(pool):
 
 def _obs_copy(pool):
     return pool.buffers.obs[0].copy()
+
+
+def _dies_then_cannot_be_rebuilt(flag: str) -> gym.Env:
+    """CartPole that kills its worker at step 2; building it again fails (a licence server gone)."""
+    if os.path.exists(flag):
+        raise RuntimeError("the simulator's licence server is unreachable")
+    open(flag, "w").close()
+    return SuicidalEnv(gym.make("CartPole-v1"), die_at=2)
 
 
 def test_raising_env_is_replaced_same_step():
@@ -121,3 +130,20 @@ def test_sb3_adapter_passes_restart_options():
         assert RESTART_INFO_KEY in infos[1] and "terminal_observation" in infos[1]
     finally:
         venv.close()
+
+
+def test_a_replacement_that_cannot_build_its_envs_leaves_the_pool_failed(tmp_path):
+    env_fns = [CARTPOLE, functools.partial(_dies_then_cannot_be_rebuilt, str(tmp_path / "built"))]
+    with EnvPool(env_fns, num_workers=2, restart_failed_workers=True, max_restarts=3) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(_zeros(pool))
+        with pytest.raises(EnvError, match="licence server is unreachable") as caught:
+            pool.step(_zeros(pool))
+        assert (caught.value.env_index, caught.value.worker_index) == (1, 1)
+        assert isinstance(caught.value.__cause__, WorkerLostError)
+        # Not an env without its block (AttributeErrors that SB3's has_attr would take for "no such
+        # attribute"), nor restarts spent on replacements that cannot build: the pool is done.
+        for call in (lambda: pool.step(_zeros(pool)), pool.reset, lambda: pool.get_attr("spec")):
+            with pytest.raises(ClusterEnvError, match="unusable after an earlier failure"):
+                call()
+        assert pool.restarts["workers"] == 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
 import select
 import signal
 import socket
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
-from clusterenv_core.protocol import OK_NONE, STEP, dumps
+from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
 from clusterenv_core.transports.base import Transport, WorkerConnection
 
 if TYPE_CHECKING:
@@ -67,11 +66,13 @@ class _MessageSocket:
     Several messages may arrive in one read (a worker's progress reports queue up while the learner
     trains): bytes past the message returned stay buffered for the next call.
 
+    :param receiver: who receives, for the error of a message that cannot be unpickled here
     :param spin: seconds a receive polls before it sleeps in the kernel
     """
 
-    def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, receiver: str, spin: float = 0.0) -> None:
         self.sock = sock
+        self.receiver = receiver
         self.spin = spin
         self._buffer = bytearray(1 << 16)
         self._start = 0  # buffered bytes not yet returned: self._buffer[self._start : self._end]
@@ -149,7 +150,7 @@ class _MessageSocket:
             return None
         body = memoryview(self._buffer)[self._start + _HEADER.size : self._start + total]
         try:
-            message = pickle.loads(body)
+            message = loads(body, self.receiver)
         finally:
             body.release()
         self._start += total
@@ -381,7 +382,7 @@ class LocalTransport(Transport):
             os.close(stderr)
         # With an inline worker the learner is one of as many processes as cores: it polls as spinning
         # workers do, so the replies it waits for reach it without a wake-up.
-        return process, _MessageSocket(learner_end, self.worker_spin if self.has_inline_worker else 0.0)
+        return process, _MessageSocket(learner_end, "the learner", self.worker_spin if self.has_inline_worker else 0.0)
 
     def restart(self, worker: int, timeout: float) -> None:
         if self._inline(worker):
@@ -573,7 +574,7 @@ class LocalWorkerConnection(MemoryFileConnection):
 
     def __init__(self, socket_fd: int, memory_fd: int, spin: float = 0.0) -> None:
         super().__init__(memory_fd)
-        self.channel = _MessageSocket(socket.socket(fileno=socket_fd), spin)
+        self.channel = _MessageSocket(socket.socket(fileno=socket_fd), "the worker", spin)
 
     def recv(self) -> Any:
         try:

@@ -19,7 +19,7 @@ import numpy as np
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
-from clusterenv_core.protocol import OK_NONE, dumps
+from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.base import Transport
 from clusterenv_core.transports.mpi.heartbeat import (
     DEFAULT_INTERVAL,
@@ -327,7 +327,7 @@ class MPITransport(Transport):
             return self.recv_step(worker, timeout)
         probe = Probe(State.MPI, self.comm, self.ranks[worker], TAG_REPLY)
         self._wait(worker, probe, timeout)
-        reply = self._receive_pickled(probe)
+        reply = self._receive_reply(probe)
         self._received(worker)
         return reply
 
@@ -337,10 +337,17 @@ class MPITransport(Transport):
         self._wait(worker, self.comm.Irecv(self._result_messages[worker], source=rank, tag=TAG_RESULT).Test, timeout)
         self._received(worker)
 
-    def _receive_pickled(self, probe: Probe) -> Any:
+    def _receive_bytes(self, probe: Probe) -> bytearray:
         buffer = bytearray(probe.status.Get_count(State.MPI.BYTE))
         probe.message.Recv(buffer)
-        return pickle.loads(buffer)
+        return buffer
+
+    def _receive_pickled(self, probe: Probe) -> Any:
+        """A message of the handshake, which only ClusterEnv's own types make."""
+        return pickle.loads(self._receive_bytes(probe))
+
+    def _receive_reply(self, probe: Probe) -> Any:
+        return loads(self._receive_bytes(probe), "the learner")
 
     def _wait(self, worker: int, ready, timeout: float, bell: bool = True) -> None:
         """Wait for ``ready()`` (a receive the worker rings for, unless ``bell`` is false)."""
@@ -461,7 +468,7 @@ class MPITransport(Transport):
         probe = Probe(State.MPI, self.comm, self.ranks[worker], TAG_PAYLOAD)
         self._wait(worker, probe, timeout)
         self._received(worker)
-        return self._receive_pickled(probe)
+        return self._receive_reply(probe)
 
     @holding_mpi_lock
     def wait_steps(self, workers: list[int], timeout: float) -> list[int]:

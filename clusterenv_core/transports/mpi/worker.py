@@ -23,7 +23,7 @@ import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
 from clusterenv_core.launch import flush_standard_streams
-from clusterenv_core.protocol import OK, STEP, dumps
+from clusterenv_core.protocol import OK, STEP, dumps, loads
 from clusterenv_core.transports.base import WorkerConnection
 from clusterenv_core.transports.mpi.runtime import (
     HOST,
@@ -171,7 +171,7 @@ class MPIWorkerConnection(WorkerConnection):
             buffer = bytearray(probe.status.Get_count(State.MPI.BYTE))
             probe.message.Recv(buffer)
             if tag == TAG_REQUEST:
-                return pickle.loads(buffer)
+                return loads(buffer, "the worker")
             # Anything else (arrays of an interrupted exchange) is dropped.
 
     @holding_mpi_lock
