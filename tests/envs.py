@@ -432,3 +432,19 @@ class FailingCloseEnv(gym.Wrapper):
     def close(self) -> None:
         super().close()
         raise OSError("could not flush the recording")
+
+
+class StateInInfoEnv(gym.Env):
+    """Reports its state array in its info and changes that array in place at every step."""
+
+    observation_space = spaces.Box(-100.0, 100.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.position = np.zeros(2)
+        return self.position.astype(np.float32), {}
+
+    def step(self, action):
+        self.position += 1.0
+        return self.position.astype(np.float32), 0.0, False, False, {"position": self.position}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from clusterenv_core import EnvError, EnvPool
-from tests.envs import FailingEnv, SlowCartPole, make_dict_env
+from tests.envs import FailingEnv, SlowCartPole, StateInInfoEnv, make_dict_env
 from tests.interrupts import interrupt_soon
 from tests.test_failures import no_leaks  # noqa: F401  (fixture)
 
@@ -50,12 +50,32 @@ def test_results_match_sync_vector_env():
     assert counts["terminated"] > 10, counts
 
 
+def _cartpole_knowing_its_process():
+    env = gym.make("CartPole-v1")
+    env.unwrapped.built_in = os.getpid()
+    return env
+
+
 def test_the_last_block_runs_in_the_learners_process(no_leaks):
-    with EnvPool.make("CartPole-v1", 5, num_workers=2, backend_options={"inline_worker": True}) as pool:
+    with EnvPool([_cartpole_knowing_its_process] * 5, num_workers=2, backend_options={"inline_worker": True}) as pool:
         assert pool.worker_pids[1] == os.getpid() != pool.worker_pids[0]
         assert list(pool.blocks[1]) == [3, 4]
-        # The inline block's envs are objects of this process.
-        assert pool.get_attr("np_random", indices=[4])[0] is pool.get_attr("np_random", indices=[4])[0]
+        assert pool.get_attr("built_in") == [pool.worker_pids[0]] * 3 + [os.getpid()] * 2
+
+
+def test_infos_are_copies_not_the_envs_own_objects(no_leaks):
+    """An info kept from one step stays as it was returned when the env changes its state at the
+    next steps, as with DummyVecEnv (which deep-copies infos) and worker processes (which pickle them)."""
+    with EnvPool([StateInInfoEnv] * 2, num_workers=2, backend_options={"inline_worker": True}) as pool:
+        pool.reset(seeds=[0, 1])
+        kept = pool.step(np.zeros(2, np.int64)).infos
+        as_returned = {index: {key: value.copy() for key, value in info.items()} for index, info in kept.items()}
+        pool.step(np.zeros(2, np.int64))
+        pool.step(np.zeros(2, np.int64))
+    assert set(kept) == {0, 1}
+    for index in kept:
+        np.testing.assert_array_equal(kept[index]["position"], as_returned[index]["position"])
+        assert kept[index]["position"].tolist() == [1.0, 1.0]
 
 
 def test_a_failing_inline_env_names_env_and_worker_and_the_pool_lives_on(no_leaks):

@@ -7,10 +7,11 @@ learner steps that block itself, right after it has sent the worker processes th
 machine runs as many busy processes as it has cores.
 
 What that costs, and why it is an option: the inline block's envs share the learner's fate, as
-under ``DummyVecEnv``. No timeout applies to them (an env that hangs, hangs the learner), an env
-that crashes the interpreter takes the learner with it, and their infos reach the learner as the
-objects the envs returned, not pickled copies. A policy copy would set torch's threads and seed for
-the learner's whole process, so worker-side inference is refused.
+under ``DummyVecEnv``. No timeout applies to them (an env that hangs, hangs the learner), and an
+env that crashes the interpreter takes the learner with it. A policy copy would set torch's threads
+and seed for the learner's whole process, so worker-side inference is refused. Replies still go
+through pickle, as a worker process's do: the learner gets copies of the infos, never the envs' own
+objects, which an env may change at its next step (``DummyVecEnv`` deep-copies them for that reason).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.local import MemoryFileConnection
 
 
@@ -37,7 +39,9 @@ class InlineConnection(MemoryFileConnection):
         raise RuntimeError("an inline worker gets its requests by call (InlineWorker.request)")
 
     def send(self, message: Any) -> None:
-        self.replies.append(message)
+        # A reply that cannot be pickled raises here, as with the other backends, and becomes an
+        # error reply naming its env.
+        self.replies.append(message if message is OK_NONE else loads(dumps(message), "the learner"))
 
     send_step = send
 
