@@ -448,3 +448,14 @@ class StateInInfoEnv(gym.Env):
     def step(self, action):
         self.position += 1.0
         return self.position.astype(np.float32), 0.0, False, False, {"position": self.position}
+
+
+class ChildStartingEnv(gym.Wrapper):
+    """CartPole that starts a helper process (a simulator server, say) and never ends it."""
+
+    def __init__(self, env: gym.Env) -> None:
+        import subprocess
+        import sys
+
+        super().__init__(env)
+        self.helper_pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid

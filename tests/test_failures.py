@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
-from tests.envs import CrashingEnv, FailingCloseEnv, FailingEnv, HangingEnv, SuicidalEnv, UnprintableFailureEnv
+from tests.envs import ChildStartingEnv, CrashingEnv, FailingCloseEnv, FailingEnv, HangingEnv, SuicidalEnv, UnprintableFailureEnv
 from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -257,6 +257,40 @@ def test_stuck_env_times_out_and_close_kills_it(no_leaks):
     started = time.monotonic()
     pool.close()
     assert time.monotonic() - started < 5
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by init
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _child_starting_then_dying(die_at: int) -> gym.Env:
+    return SuicidalEnv(ChildStartingEnv(gym.make("CartPole-v1")), die_at=die_at)
+
+
+def _wait_until_ended(pids: list[int]) -> bool:
+    deadline = time.monotonic() + 5
+    while not all(_ended(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(_ended(pid) for pid in pids)
+
+
+def test_processes_the_envs_started_and_left_running_end_with_their_worker(no_leaks):
+    env_fns = [functools.partial(_wrapped, ChildStartingEnv), functools.partial(_child_starting_then_dying, 2)]
+    pool = EnvPool(env_fns, num_workers=2, restart_failed_workers=True)
+    pool.reset()
+    first = pool.get_attr("helper_pid")
+    assert not any(_ended(pid) for pid in first)
+    _step_zeros(pool)
+    _step_zeros(pool)  # env 1 kills its worker: the replacement builds it anew, with a new helper
+    assert pool.restarts["workers"] == 1
+    assert _wait_until_ended(first[1:]) and not _ended(first[0])
+    helpers = pool.get_attr("helper_pid")
+    assert helpers[0] == first[0] and not _ended(helpers[1])
+    pool.close()
+    assert _wait_until_ended(helpers)
 
 
 def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks):

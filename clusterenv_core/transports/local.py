@@ -279,6 +279,16 @@ def _write_all(fd: int, data: bytes) -> None:
         pass  # the learner's stderr is gone; the tail is still kept
 
 
+def _end_process_group(process: subprocess.Popen) -> None:
+    """Kill what the envs of an ended worker process started and left running (helper processes,
+    simulators): they share the worker's process group, whose id is the worker's pid. PIDs are
+    handed out in sequence, so the id names no other group this soon after the worker ended."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in the group
+
+
 def _anonymous_file() -> int:
     """A file descriptor of memory with no name anywhere in the file system."""
     if hasattr(os, "memfd_create"):
@@ -371,8 +381,15 @@ class LocalTransport(Transport):
         command = [self.python, *self._safe_path, "-m", "clusterenv_core.worker", "local", *map(str, fds), repr(spin)]
         stderr = self._stderr.new_pipe(worker)
         try:
+            # A session of its own: processes its envs start share its process group, which close()
+            # ends (and no signal of the learner's terminal reaches it; it ignores Ctrl-C anyway).
             process = subprocess.Popen(
-                command, pass_fds=fds, stdin=subprocess.DEVNULL, stderr=stderr, env=self._worker_env
+                command,
+                pass_fds=fds,
+                stdin=subprocess.DEVNULL,
+                stderr=stderr,
+                env=self._worker_env,
+                start_new_session=True,
             )
         except BaseException:
             learner_end.close()
@@ -390,6 +407,7 @@ class LocalTransport(Transport):
         old = self.processes[worker]
         old.kill()
         old.wait()
+        _end_process_group(old)
         self.sockets[worker].sock.close()
         self.processes[worker], self.sockets[worker] = self._launch(worker)
         self.failed.discard(worker)
@@ -519,6 +537,7 @@ class LocalTransport(Transport):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            _end_process_group(process)
         for channel in self.sockets:
             channel.sock.close()
         self.processes, self.sockets = [], []
