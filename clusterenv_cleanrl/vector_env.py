@@ -50,9 +50,14 @@ def _like(template: Any, batch: Any) -> Any:
     return batch
 
 
-def _start_pool(env_fns: Sequence[Callable[[], gym.Env]], autoreset_mode: str, options: dict[str, Any]) -> EnvPool:
+def _start_pool(
+    env_fns: Sequence[Callable[[], gym.Env]],
+    autoreset_mode: str,
+    options: dict[str, Any],
+    observation_spaces_fit: Callable[[gym.Space, gym.Space], bool] | None = None,
+) -> EnvPool:
     try:
-        return EnvPool.from_options(env_fns, autoreset_mode, **options)
+        return EnvPool.from_options(env_fns, autoreset_mode, observation_spaces_fit, **options)
     except SpaceMismatchError as error:
         # SyncVectorEnv reports envs whose spaces differ with a RuntimeError.
         raise RuntimeError(str(error)) from error
@@ -148,7 +153,8 @@ if GYMNASIUM_1:
         :param copy: return copies of the observations; with ``False``, the returned observations are
             overwritten by the next ``step`` or ``reset``
         :param observation_mode: ``"same"``, ``"different"`` or a ``(batched, single)`` pair of spaces,
-            as in ``SyncVectorEnv``; the envs' observation spaces must nevertheless be equal
+            as in ``SyncVectorEnv``: with the latter two, the envs' observation spaces need only share
+            their dtype and shape (Box bounds may differ)
         :param autoreset_mode: a ``gymnasium.vector.AutoresetMode`` or its value
         :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
             ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
@@ -183,7 +189,9 @@ if GYMNASIUM_1:
             self.observation_mode = observation_mode
             self.autoreset_mode = AutoresetMode(autoreset_mode)
             self._through_wrappers = True
-            self.pool = _start_pool(env_fns, _POOL_MODES[self.autoreset_mode], options)
+            # As SyncVectorEnv: equal observation spaces for "same", else only a common dtype and shape.
+            fit = None if observation_mode == "same" else is_space_dtype_shape_equiv
+            self.pool = _start_pool(env_fns, _POOL_MODES[self.autoreset_mode], options, fit)
             try:
                 self._describe(observation_mode, custom_spaces)
             except BaseException:
@@ -206,8 +214,7 @@ if GYMNASIUM_1:
                 if observation_mode == "same":
                     self.observation_space = batch_space(self.single_observation_space, self.num_envs)
                 else:
-                    # The pool has checked that every env has this space.
-                    self.observation_space = batch_differing_spaces([pool.observation_space] * self.num_envs)
+                    self.observation_space = batch_differing_spaces(pool.observation_spaces)
             if observation_mode != "same" and not is_space_dtype_shape_equiv(
                 pool.observation_space, self.single_observation_space
             ):

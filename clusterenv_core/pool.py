@@ -82,6 +82,11 @@ class EnvPool(DeprecatedPoolMethods):
     :param max_restarts: how many times one env, or one worker, may be replaced; the next failure
         raises its error
     :param backend_options: keyword arguments of the backend's transport
+    :param observation_spaces_fit: ``fit(space, first)``, whether an env's observation space may
+        stand with the first env's (default: equality). Observations live in buffers laid out by the
+        first env's space, so a looser test must still require its dtype and shape: gymnasium's
+        ``is_space_dtype_shape_equiv``, for ``SyncVectorEnv``'s ``observation_mode="different"``.
+        :attr:`observation_spaces` holds each env's.
 
     A replaced env or worker ends its interrupted episodes as truncated, with the reason under the
     info key :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`; :attr:`restarts` counts them. Both are
@@ -101,6 +106,7 @@ class EnvPool(DeprecatedPoolMethods):
         restart_failed_workers: bool = False,
         max_restarts: int = 3,
         backend_options: dict[str, Any] | None = None,
+        observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
     ) -> None:
         env_fns = list(env_fns)
         num_envs = len(env_fns)
@@ -174,7 +180,10 @@ class EnvPool(DeprecatedPoolMethods):
                 self._send(worker, self._init_requests[worker])
             descriptions = self._gather(range(num_workers), "creating the envs", timeout=start_timeout)
             per_env_spaces = [pair for worker in range(num_workers) for pair in descriptions[worker].spaces]
-            self.observation_space, self.action_space = common_spaces(per_env_spaces)
+            self.observation_space, self.action_space = common_spaces(per_env_spaces, observation_spaces_fit)
+            #: each env's observation space (all equal to :attr:`observation_space` unless
+            #: ``observation_spaces_fit`` let them differ)
+            self.observation_spaces = [observation_space for observation_space, _ in per_env_spaces]
             first = descriptions[0]
             self.metadata: dict = first.metadata
             self.render_mode: str | None = first.render_mode
@@ -207,11 +216,23 @@ class EnvPool(DeprecatedPoolMethods):
         return cls([env_fn] * num_envs, **pool_kwargs)
 
     @classmethod
-    def from_options(cls, env_fns: Sequence[Callable[[], Any]], autoreset_mode: str, **options: Any) -> EnvPool:
+    def from_options(
+        cls,
+        env_fns: Sequence[Callable[[], Any]],
+        autoreset_mode: str,
+        observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
+        **options: Any,
+    ) -> EnvPool:
         """A pool from an adapter's keywords: those of :data:`POOL_OPTIONS` are the pool's, any other
         is an option of the backend (``ClusterVecEnv(env_fns, backend="mpi", launch="spawn")``)."""
         pool_kwargs = {name: options.pop(name) for name in POOL_OPTIONS if name in options}
-        return cls(env_fns, autoreset_mode=autoreset_mode, backend_options=options, **pool_kwargs)
+        return cls(
+            env_fns,
+            autoreset_mode=autoreset_mode,
+            backend_options=options,
+            observation_spaces_fit=observation_spaces_fit,
+            **pool_kwargs,
+        )
 
     def _attach(self, workers: Iterable[int], timeout: float) -> None:
         for worker in workers:

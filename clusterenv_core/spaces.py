@@ -311,12 +311,24 @@ def _as_field_array(field: Field, batch: Any, num_envs: int) -> np.ndarray:
     return array
 
 
-def common_spaces(per_env: list[tuple[spaces.Space, spaces.Space]]) -> tuple[spaces.Space, spaces.Space]:
+def common_spaces(
+    per_env: list[tuple[spaces.Space, spaces.Space]], observation_spaces_fit: Callable[[Any, Any], bool] | None = None
+) -> tuple[spaces.Space, spaces.Space]:
     """The ``(observation_space, action_space)`` every env shares (env 0's), or
-    :class:`~clusterenv_core.errors.SpaceMismatchError` naming the first env that differs."""
+    :class:`~clusterenv_core.errors.SpaceMismatchError` naming the first env that differs.
+
+    :param observation_spaces_fit: ``fit(space, first)``, whether an env's observation space may
+        stand with env 0's (default: equality)
+    """
     observation_space, action_space = per_env[0]
     for index, (env_observation_space, env_action_space) in enumerate(per_env):
-        if env_observation_space != observation_space:
+        if observation_spaces_fit is not None:
+            if not observation_spaces_fit(env_observation_space, observation_space):
+                raise SpaceMismatchError(
+                    f"env {index} has observation space {env_observation_space}, env 0 has {observation_space}: "
+                    "they do not share a dtype and shape"
+                )
+        elif env_observation_space != observation_space:
             raise SpaceMismatchError(
                 f"env {index} has observation space {env_observation_space}, env 0 has {observation_space}: "
                 "all envs of a pool must share their spaces"

@@ -389,18 +389,31 @@ def test_reset_mask_validation():
     sync.close()
 
 
+def _cartpole_within(bound: float) -> gym.Env:
+    """CartPole whose observation space says its values lie within ``bound``: same dtype and shape
+    for every bound, not the same space."""
+    space = spaces.Box(-bound, bound, (4,), np.float32)
+    return gym.wrappers.TransformObservation(gym.make("CartPole-v1"), lambda obs: obs, space)
+
+
 @pytest.mark.skipif(not GYMNASIUM_1, reason="observation_mode is gymnasium 1.x")
 def test_observation_modes():
     single = spaces.Box(-5.0, 5.0, (4,), np.float32)
     custom = (gym.vector.utils.batch_space(single, 3), single)
-    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 3
+    same_spaces = [functools.partial(gym.make, "CartPole-v1")] * 3
+    differing_spaces = [functools.partial(_cartpole_within, bound) for bound in (5.0, 6.0, 7.0)]
+    env_fns = same_spaces
     for observation_mode in ("different", custom):
-        cluster, sync = make_pair(env_fns, observation_mode=observation_mode)
-        with cluster:
-            assert cluster.single_observation_space == sync.single_observation_space
-            assert cluster.observation_space == sync.observation_space
-            run_and_compare(cluster, sync, 50, seed=11)
-        sync.close()
+        for fns in (same_spaces, differing_spaces):
+            cluster, sync = make_pair(fns, observation_mode=observation_mode)
+            with cluster:
+                assert cluster.single_observation_space == sync.single_observation_space
+                assert cluster.observation_space == sync.observation_space
+                run_and_compare(cluster, sync, 50, seed=11)
+            sync.close()
+    expected = _raised(lambda: gym.vector.SyncVectorEnv(differing_spaces))
+    with pytest.raises(type(expected), match="observation space"):
+        ClusterVectorEnv(differing_spaces)
     for bad_mode in ("other", (single, "not a space")):
         expected = _raised(lambda: gym.vector.SyncVectorEnv(env_fns, observation_mode=bad_mode))
         with pytest.raises(type(expected)) as raised:
