@@ -128,6 +128,12 @@ def test_unpicklable_factory_is_rejected_before_start(no_leaks):
         EnvPool([CARTPOLE, lambda: (lock, gym.make("CartPole-v1"))[1]])
 
 
+def test_a_misspelt_option_is_a_type_error_as_for_any_python_call(no_leaks):
+    # What SyncVectorEnv or DummyVecEnv would raise for it, so code written for them behaves alike.
+    with pytest.raises(TypeError, match="bad options for backend 'local': .*unexpected keyword argument 'autoreset'"):
+        EnvPool([CARTPOLE] * 2, backend_options={"autoreset": "next_step"})
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

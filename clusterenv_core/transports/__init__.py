@@ -25,8 +25,8 @@ def make_transport(backend: str, **options: Any) -> Transport:
     transport_class = getattr(importlib.import_module(module_name), class_name)
     try:
         return transport_class(**options)
-    except TypeError as error:
-        raise ValueError(f"bad options for backend {backend!r}: {error}") from None
+    except TypeError as error:  # an unknown keyword (a misspelt option): a TypeError, as Python's own
+        raise TypeError(f"bad options for backend {backend!r}: {error}") from None
 
 
 def worker_connection(backend: str, argv: list[str]) -> WorkerConnection:
