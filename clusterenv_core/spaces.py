@@ -13,6 +13,7 @@ for a ``Dict`` space and a ``tuple`` for a ``Tuple`` space.
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -328,17 +329,28 @@ def common_spaces(
                     f"env {index} has observation space {env_observation_space}, env 0 has {observation_space}: "
                     "they do not share a dtype and shape"
                 )
-        elif env_observation_space != observation_space:
+        elif not _equal_spaces(env_observation_space, observation_space):
             raise SpaceMismatchError(
                 f"env {index} has observation space {env_observation_space}, env 0 has {observation_space}: "
                 "all envs of a pool must share their spaces"
             )
-        if env_action_space != action_space:
+        if not _equal_spaces(env_action_space, action_space):
             raise SpaceMismatchError(
                 f"env {index} has action space {env_action_space}, env 0 has {action_space}: "
                 "all envs of a pool must share their spaces"
             )
     return observation_space, action_space
+
+
+def _equal_spaces(space: spaces.Space, other: spaces.Space) -> bool:
+    """Equal, or pickled alike: a custom space that compares by identity (it defines no ``__eq__``)
+    and that every env shares, as a module's constant, arrives as one copy per worker."""
+    if space == other:
+        return True
+    try:
+        return type(space) is type(other) and pickle.dumps(space) == pickle.dumps(other)
+    except Exception:
+        return False
 
 
 def describe(value: Any) -> str:

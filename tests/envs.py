@@ -459,3 +459,34 @@ class ChildStartingEnv(gym.Wrapper):
 
         super().__init__(env)
         self.helper_pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
+
+class Shade(spaces.Space):
+    """A custom space that compares by identity, as a space defining no ``__eq__`` does."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def sample(self, mask=None, probability=None):
+        return ("light", "dark")[int(self.np_random.integers(2))]
+
+    def contains(self, x) -> bool:
+        return x in ("light", "dark")
+
+
+#: One instance for every env, as a module's constant: each worker imports its own.
+SHADE = Shade()
+
+
+class ShadeEnv(gym.Env):
+    """Observes a :data:`SHADE`; its action is a ``Discrete(2)``."""
+
+    observation_space = SHADE
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return ("light", "dark")[int(self.np_random.integers(2))], {}
+
+    def step(self, action):
+        return ("light", "dark")[int(action)], float(action), False, False, {}

@@ -441,6 +441,15 @@ def test_differing_spaces_are_rejected(no_leaks):
         EnvPool([CARTPOLE, CARTPOLE, other], num_workers=2)
 
 
+def test_a_shared_space_that_compares_by_identity_is_one_space_across_workers(no_leaks):
+    from tests.envs import ShadeEnv
+
+    with EnvPool([ShadeEnv] * 4, num_workers=2) as pool:  # each worker has its own copy of the space
+        assert type(pool.observation_space).__name__ == "Shade"
+        pool.reset(seeds=[0, 1, 2, 3])
+        assert pool.step(np.array([0, 1, 1, 0])).obs == ["light", "dark", "dark", "light"]
+
+
 @pytest.mark.parametrize("env_fns", [[], ()])
 def test_no_envs_is_rejected(no_leaks, env_fns):
     with pytest.raises(ValueError, match="at least one"):
