@@ -415,22 +415,26 @@ def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
         textwrap.dedent(
             """
             import gymnasium as gym, functools, sys, time
+            sys.path.insert(0, ROOT)
             from clusterenv_core import EnvPool
-            pool = EnvPool([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=2)
+            from tests.envs import ChildStartingEnv
+            env_fns = [functools.partial(gym.make, "CartPole-v1"), lambda: ChildStartingEnv(gym.make("CartPole-v1"))]
+            pool = EnvPool(env_fns, num_workers=2)
             pool.reset()
-            print(*pool.worker_pids, flush=True)
+            print(*pool.worker_pids, *pool.get_attr("helper_pid", indices=[1]), flush=True)
             time.sleep(60)
             """
-        )
+        ).replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     )
     learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    pids = [int(pid) for pid in learner.stdout.readline().split()]
+    *pids, helper = [int(pid) for pid in learner.stdout.readline().split()]
     learner.kill()
     learner.wait()
     deadline = time.monotonic() + 5
     while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(psutil.pid_exists(pid) for pid in pids), "workers outlived their learner"
+    assert _wait_until_ended([helper]), "a process an env started outlived the learner"
 
 
 def test_differing_spaces_are_rejected(no_leaks):

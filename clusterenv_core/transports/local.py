@@ -615,6 +615,12 @@ class LocalWorkerConnection(MemoryFileConnection):
 
     def close(self) -> None:
         self.channel.sock.close()
+        # The learner starts each worker as a session leader, so what the envs started and left
+        # running shares this process group: end it here too, for a learner that was killed and
+        # cannot. SIGTERM lets those processes clean up; this process ignores it on its way out.
+        if os.getpgrp() == os.getpid():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.killpg(0, signal.SIGTERM)
 
 
 def worker_connection(argv: list[str]) -> LocalWorkerConnection:
