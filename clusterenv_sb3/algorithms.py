@@ -86,6 +86,12 @@ def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
     )
 
 
+
+def _same_weights(module: th.nn.Module, weights: dict[str, th.Tensor]) -> bool:
+    """Whether ``module`` holds exactly ``weights`` (a copy of its state dict)."""
+    state = module.state_dict()
+    return state.keys() == weights.keys() and all(th.equal(value, weights[name]) for name, value in state.items())
+
 class _LearnerThreads:
     """The learner's torch threads during an overlapped ``learn()``, where it works while this
     machine's workers collect the next segment.
@@ -216,6 +222,7 @@ class WorkerInferenceMixin:
         self._sync_config = dict(DEFAULT_SYNC)
         self._policy_sync = None
         self._deployed_pool = None
+        self._weights_after_learn: dict[str, th.Tensor] | None = None  # to see weights loaded in between
         self._started: tuple[int, dict] | None = None  # (n_steps, context) of a segment being collected
         self._learner_threads: _LearnerThreads | None = None  # during an overlapped learn()
         if getattr(self, "use_sde", False):
@@ -258,7 +265,14 @@ class WorkerInferenceMixin:
         super().set_env(env, force_reset)
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_policy_sync", "_deployed_pool", "_started", "_learner_threads"]
+        return [
+            *super()._excluded_save_params(),
+            "_policy_sync",
+            "_deployed_pool",
+            "_started",
+            "_learner_threads",
+            "_weights_after_learn",
+        ]
 
     def _setup_learn(self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> tuple[int, BaseCallback]:
         check_cluster_vec_env(self.env, self._algorithm_name())
@@ -269,7 +283,10 @@ class WorkerInferenceMixin:
         return result
 
     def _ensure_deployed(self) -> None:
-        """Deploy the policy on the env's pool once; later learn() calls keep the workers' weights."""
+        """Deploy the policy on the env's pool once. Later learn() calls keep the workers' weights as
+        the sync left them, unless the weights changed since the last learn() ended (``load``,
+        ``set_parameters``): then the workers act with the new ones from the first segment, as SB3's
+        algorithm would."""
         pool = self.env.pool
         sync = self._policy_sync
         acting = self._acting_policy()
@@ -280,6 +297,8 @@ class WorkerInferenceMixin:
             self._policy_sync = PolicySync(actors, learner, **self._sync_config)
         else:
             self._apply_sync_config()
+            if self._weights_after_learn is not None and not _same_weights(acting, self._weights_after_learn):
+                sync.push()
 
     def _acting_policy(self) -> th.nn.Module:
         return self.policy
@@ -298,6 +317,10 @@ class WorkerInferenceMixin:
             if self._learner_threads is not None:
                 self._learner_threads.restore()
                 self._learner_threads = None
+            if self._policy_sync is not None:
+                self._weights_after_learn = {
+                    name: value.detach().clone() for name, value in self._acting_policy().state_dict().items()
+                }
 
     def train(self, *args: Any, **kwargs: Any) -> None:
         """SB3's update, then the sync decision (push the new weights, or not)."""

@@ -613,6 +613,23 @@ def test_never_mode_keeps_the_deployed_weights(tmp_path):
         env.close()
 
 
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_weights_set_between_learn_calls_reach_the_workers_before_the_first_segment(mode):
+    # SB3's own PPO acts with the weights set_parameters (or load) gave it, from the first step on.
+    env = _cluster_env("CartPole-v1", n_envs=2)
+    try:
+        model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=16, batch_size=32, n_epochs=1, policy_kwargs={"net_arch": [8]})
+        model.learn(32, callback=AAPSCallback(mode=mode))
+        weights = model.get_parameters()
+        weights["policy"]["action_net.weight"] = th.zeros_like(weights["policy"]["action_net.weight"])
+        weights["policy"]["action_net.bias"] = th.tensor([20.0, -20.0])  # action 0, always
+        model.set_parameters(weights)
+        model.learn(32, callback=AAPSCallback(mode=mode))  # one segment, then an update
+        assert (model.rollout_buffer.actions == 0).all()
+    finally:
+        env.close()
+
+
 class StopAt(BaseCallback):
     """Stops training at step ``stop`` (returns False), or raises at the start of rollout ``fail``."""
 
