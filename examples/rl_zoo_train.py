@@ -12,6 +12,7 @@ pool has at most one worker per env. Hyperparameters, wrappers, frame stacking, 
 evaluation and saving stay RL Zoo's (``pip install rl_zoo3``).
 """
 
+import torch
 from rl_zoo3.exp_manager import ExperimentManager
 from rl_zoo3.train import train
 
@@ -19,4 +20,6 @@ from clusterenv_sb3 import ClusterVecEnv
 
 if __name__ == "__main__":
     ExperimentManager.default_vec_env_cls = ClusterVecEnv  # the one changed line
+    # RL Zoo's --num-threads sets torch's threads only when given; the workers share these cores.
+    torch.set_num_threads(1)
     train()

@@ -4,10 +4,12 @@
     python examples/sb3_ppo_aaps.py --sync always                # new weights after every update
     python examples/sb3_ppo_aaps.py --sync never                 # the workers keep the first weights
 
-Compared with ``sb3_ppo_cartpole.py`` (SB3's PPO, actions chosen in this process), two lines
-change: ``from clusterenv_sb3 import PPO`` (the workers act and return whole segments) and
+Compared with ``sb3_ppo_cartpole.py`` (SB3's PPO, actions chosen in this process), ClusterEnv
+takes two lines: ``from clusterenv_sb3 import PPO`` (the workers act and return whole segments) and
 ``callback=AAPSCallback(...)`` (weights are shipped only when the learner's policy has drifted from
-the workers' copy by more than ``--kl-threshold``, mean KL on recent states). At the end the
+the workers' copy by more than ``--kl-threshold``, mean KL on recent states). Its PPO settings are
+its own (longer segments, fewer epochs, constant learning rate and clip range, 50k steps): the
+runs are not meant to be compared step for step. At the end the
 learner's policy is evaluated on fresh episodes and the sync counters printed; with
 ``--tensorboard-log`` they are also under ``aaps/`` in TensorBoard.
 """

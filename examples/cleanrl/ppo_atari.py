@@ -3,7 +3,8 @@
     python examples/cleanrl/ppo_atari.py --env-id BreakoutNoFrameskip-v4 --total-timesteps 10000000
 
 Going distributed is one line: ``ClusterVectorEnv(env_fns, ...)`` where the script had
-``gym.vector.SyncVectorEnv(env_fns)`` (marked below). The ALE ids exist here because ``ale_py`` is
+``gym.vector.SyncVectorEnv(env_fns)`` (marked below). This script also silences ClusterEnv's
+``LearnerThreadsWarning`` on purpose (its CNN gains from torch's threads; see there). The ALE ids exist here because ``ale_py`` is
 imported; the workers get them from this process's registry, wrappers and all.
 
 Preprocessing as in DQN's Nature paper, with SB3's Atari wrappers and gymnasium's: noop starts,
