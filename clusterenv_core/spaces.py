@@ -247,11 +247,11 @@ class SpaceLayout:
                 self._split(child, item, columns, f"{where}[{position}]")
 
     def _collect(self, node: Any, batch: Any, leaves: list, num_envs: int) -> None:
+        # Like SyncVectorEnv's iterate, a batch is read by the space's keys and positions: entries
+        # beyond them (log-probabilities kept with the actions, say) are ignored.
         if isinstance(node, int):
             field = self.fields[node]
             leaves[node] = _as_field_array(field, batch, num_envs)
-        # Like SyncVectorEnv's iterate, a batch is read by the space's keys and positions: entries
-        # beyond them (log-probabilities kept with the actions, say) are ignored.
         elif node[0] == "dict":
             _check_dict(batch, node[1], self.prefix, exact=False)
             for key, child in zip(node[1], node[2]):
