@@ -8,6 +8,7 @@ are imported on first use, so ``mpi4py`` is needed only by the MPI backend.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from clusterenv_core.transports.base import Transport, WorkerConnection
@@ -24,9 +25,13 @@ def make_transport(backend: str, **options: Any) -> Transport:
     module_name, class_name = _BACKENDS[backend]
     transport_class = getattr(importlib.import_module(module_name), class_name)
     try:
-        return transport_class(**options)
-    except TypeError as error:  # an unknown keyword (a misspelt option): a TypeError, as Python's own
+        inspect.signature(transport_class).bind(**options)
+    except TypeError as error:  # an unknown keyword (a misspelt option): a TypeError, as for any call
         raise TypeError(f"bad options for backend {backend!r}: {error}") from None
+    try:
+        return transport_class(**options)
+    except TypeError as error:  # a value of the wrong type: bad configuration, as any other bad value
+        raise ValueError(f"bad options for backend {backend!r}: {error}") from None
 
 
 def worker_connection(backend: str, argv: list[str]) -> WorkerConnection:
