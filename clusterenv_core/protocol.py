@@ -234,11 +234,6 @@ class _Pickler(pickle.Pickler):
     dispatch_table = {**copyreg.dispatch_table, **dict.fromkeys(_SCALAR_VALUES, _reduce_scalar)}
 
 
-# What plain pickle writes for a class or function of the running script: a reference by name that
-# a worker, whose ``__main__`` is not the script, cannot resolve.
-_SCRIPT_MODULES = (b"__main__", b"__mp_main__")
-
-
 def dumps(obj: Any) -> bytes:
     """Pickle (numpy scalars by value, see above), falling back to :func:`dumps_code` for closures,
     lambdas and anything that refers to the running script (a class or function the user's script
@@ -251,7 +246,10 @@ def dumps(obj: Any) -> bytes:
         data = buffer.getvalue()
     except Exception:
         return dumps_code(obj)
-    if any(name in data for name in _SCRIPT_MODULES):  # a string that merely holds the name costs only speed
+    # Plain pickle refers to a class or function of the running script by name, which a worker, whose
+    # __main__ is not the script, cannot resolve. Two scans of the bytes: 0.8 µs for a HalfCheetah
+    # reply (a generator over the names took 1.3); a string that merely holds a name costs only speed.
+    if b"__main__" in data or b"__mp_main__" in data:
         return dumps_code(obj)
     return data
 

@@ -86,11 +86,11 @@ def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
     )
 
 
-
 def _same_weights(module: th.nn.Module, weights: dict[str, th.Tensor]) -> bool:
     """Whether ``module`` holds exactly ``weights`` (a copy of its state dict)."""
     state = module.state_dict()
     return state.keys() == weights.keys() and all(th.equal(value, weights[name]) for name, value in state.items())
+
 
 class _LearnerThreads:
     """The learner's torch threads during an overlapped ``learn()``, where it works while this
