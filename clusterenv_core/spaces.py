@@ -141,11 +141,8 @@ class SpaceLayout:
                 array = np.asarray(value)
             except Exception as error:
                 return f"{where}: {describe(value)} is no array ({error})"
-            if array.shape != field.shape:
-                return f"{where}: shape {array.shape} where the space has {field.shape}"
-            if not np.can_cast(array.dtype, field.dtype, casting="same_kind"):
-                return f"{where}: dtype {array.dtype} where the space has {field.dtype}"
-            return ""
+            problem = _leaf_misfit(field, array)
+            return f"{where}: {problem}" if problem else ""
         if node[0] == "dict":
             if not isinstance(value, dict):
                 return f"{where}: {describe(value)} where the space has a dict with keys {node[1]}"
@@ -266,9 +263,20 @@ def _store(field: Field, array: np.ndarray, row: int, value: Any) -> None:
     """Store one leaf value at ``row`` of its field's ``array`` (see :meth:`SpaceLayout.write`)."""
     if type(value) is not np.ndarray or value.dtype != field.dtype or value.shape != field.shape:
         value = np.asarray(value)
-        if value.shape != field.shape or not np.can_cast(value.dtype, field.dtype, casting="same_kind"):
-            raise ValueError(f"{field.name}: {value.dtype} of shape {value.shape} does not fit {field.dtype} of shape {field.shape}")
+        problem = _leaf_misfit(field, value)
+        if problem:
+            raise ValueError(f"{field.name}: {problem}")
     array[row] = value
+
+
+def _leaf_misfit(field: Field, value: np.ndarray) -> str:
+    """Why ``value`` cannot be stored in ``field`` ("" if it can): SyncVectorEnv's rule, an exact
+    shape and a dtype that casts within its kind."""
+    if value.shape != field.shape:
+        return f"shape {value.shape} where the space has {field.shape}"
+    if not np.can_cast(value.dtype, field.dtype, casting="same_kind"):
+        return f"dtype {value.dtype} where the space has {field.dtype}"
+    return ""
 
 
 def _check_dict(value: Any, keys: list, where: str, exact: bool = True) -> None:
