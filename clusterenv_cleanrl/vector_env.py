@@ -331,7 +331,9 @@ else:
         :param observation_space: observation space of one env (default: that of the envs)
         :param action_space: action space of one env (default: that of the envs)
         :param copy: return copies of the observations; with ``False``, the returned observations are
-            overwritten by the next ``step`` or ``reset``
+            overwritten by the next ``step`` or ``reset``, already from its ``step_async`` on (where
+            ``SyncVectorEnv`` writes them in ``step_wait``; ``AsyncVectorEnv`` is like ClusterEnv), so
+            keep what you need of them before you call ``step_async``
         :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
             ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
             :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)

@@ -23,7 +23,7 @@ import numpy as np
 from clusterenv_core import protocol, registry
 from clusterenv_core.actors import DeprecatedPoolMethods
 from clusterenv_core.buffers import BatchSpec
-from clusterenv_core.checks import check_indices, check_int, check_seconds, is_int, per_env_values
+from clusterenv_core.checks import check_indices, check_int, check_seconds, per_env_values
 from clusterenv_core.errors import (
     ENV_ERROR_CLASSES,
     ClusterEnvError,
@@ -340,7 +340,9 @@ class EnvPool(DeprecatedPoolMethods):
     ) -> ResetResult:
         """Reset the envs selected by ``mask`` (all by default).
 
-        :param seeds: one seed (or ``None``) per env
+        :param seeds: one seed (or ``None``) per env, passed to its ``reset`` as given: what a seed
+            may be is the env's to decide, as under ``DummyVecEnv`` and ``SyncVectorEnv`` (gymnasium's
+            own envs take a Python int of at least 0)
         :param options: one options dict (or ``None``) per env
         :param mask: boolean array of shape ``(num_envs,)``; envs outside it keep their state and
             their observation rows
@@ -349,15 +351,11 @@ class EnvPool(DeprecatedPoolMethods):
         self._check_not_stepping()
         seeds = per_env_values(seeds, self.num_envs, "seeds")
         options = per_env_values(options, self.num_envs, "options")
-        for index, seed in enumerate(seeds):
-            if seed is not None and not is_int(seed):
-                raise ValueError(f"seeds[{index}] must be an int or None, got {seed!r}")
         if mask is not None:
             mask = np.asarray(mask)
             if mask.shape != (self.num_envs,) or mask.dtype != np.bool_:
                 raise ValueError(f"mask must be a bool array of shape ({self.num_envs},), got {mask.dtype} {mask.shape}")
         self._drain()
-        seeds = [None if seed is None else int(seed) for seed in seeds]
         targets = []
         for worker, block in enumerate(self.blocks):
             block_mask = None if mask is None else mask[block.start : block.stop].tolist()

@@ -18,6 +18,7 @@ from gymnasium import spaces
 from clusterenv_cleanrl import ClusterVectorEnv
 from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
+from clusterenv_core import EnvError
 from tests.compare import assert_same
 from tests.envs import IntFlagsEnv, SpacesEnv, make_dict_env
 
@@ -320,6 +321,26 @@ def test_seeding_and_options():
         assert_same(cluster.reset(seed=1, options={"level": 3}), sync.reset(seed=1, options={"level": 3}))
         with pytest.raises(type(_raised(lambda: sync.reset(seed=[1, 2])))):
             cluster.reset(seed=[1, 2])
+    sync.close()
+
+
+def test_seeds_reach_the_envs_as_given():
+    """A seed is the env's to judge, as under SyncVectorEnv: gymnasium's envs take ``True`` (an int)
+    and refuse a numpy integer, and the pool stays usable after the refusal."""
+    cluster, sync = make_pair([make_cartpole] * NUM_ENVS)
+    with cluster:
+        seeds = [True, 2, None, 0]
+        cluster_obs, _ = cluster.reset(seed=seeds)
+        sync_obs, _ = sync.reset(seed=seeds)
+        np.testing.assert_array_equal(cluster_obs[[0, 1, 3]], sync_obs[[0, 1, 3]])
+        refused = [1, np.int64(1), 2, 3]
+        sync_error = _raised(lambda: sync.reset(seed=refused))
+        with pytest.raises(EnvError) as raised:
+            cluster.reset(seed=refused)
+        assert raised.value.env_index == 1
+        assert raised.value.exc_type == f"{type(sync_error).__module__}.{type(sync_error).__qualname__}"
+        assert raised.value.remote_message == str(sync_error)
+        assert_same(cluster.reset(seed=[4, 5, 6, 7]), sync.reset(seed=[4, 5, 6, 7]))
     sync.close()
 
 
