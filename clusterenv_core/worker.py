@@ -164,11 +164,15 @@ class EnvBlock:
                     obs, reward, term, trunc, info = checked_step(env.step(read_action(row)))
                 if term or trunc:
                     if same_step:
-                        if buffered_final and self.final_layout.conforms(obs):
-                            self.write_final_obs(row, obs)
-                        else:
-                            final_obs[index] = obs
+                        final = obs
                         obs, reset_info = checked_reset(env.reset())
+                        # Stored after the reset: DummyVecEnv, SubprocVecEnv and SyncVectorEnv keep the
+                        # env's own object, so an env that resets its observation array in place
+                        # resets their final observation too.
+                        if buffered_final and self.final_layout.conforms(final):
+                            self.write_final_obs(row, final)
+                        else:
+                            final_obs[index] = final
                         if reset_info:
                             reset_infos[index] = reset_info
                     elif next_step:

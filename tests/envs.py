@@ -450,6 +450,29 @@ class StateInInfoEnv(gym.Env):
         return self.position.astype(np.float32), 0.0, False, False, {"position": self.position}
 
 
+class InPlaceStateEnv(gym.Env):
+    """Returns its one state array from ``step`` and ``reset`` and changes it in place, as
+    hand-written envs often do; episodes truncate after 3 steps."""
+
+    observation_space = spaces.Box(-100.0, 100.0, (2,), np.float32)
+    action_space = spaces.Discrete(3)
+
+    def __init__(self) -> None:
+        self.state = np.zeros(2, dtype=np.float32)
+        self.steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.state[:] = 0.0
+        self.steps = 0
+        return self.state, {}
+
+    def step(self, action):
+        self.state += float(action) + 1.0
+        self.steps += 1
+        return self.state, float(action), False, self.steps == 3, {}
+
+
 class ChildStartingEnv(gym.Wrapper):
     """CartPole that starts a helper process (a simulator server, say) and never ends it."""
 

@@ -20,7 +20,7 @@ from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from clusterenv_core import EnvError
 from tests.compare import assert_same
-from tests.envs import IntFlagsEnv, SpacesEnv, make_dict_env
+from tests.envs import InPlaceStateEnv, IntFlagsEnv, SpacesEnv, make_dict_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,6 +147,17 @@ def test_flags_returned_as_ints_or_0d_arrays(mode):
         counts = run_and_compare(cluster, sync, 400, seed=3)
     sync.close()
     assert counts["terminated"] > 5 and counts["truncated"] > 5, counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_final_observation_of_an_env_that_resets_its_array_in_place(mode):
+    # SyncVectorEnv keeps the env's own array as the final observation and then resets the env,
+    # which zeroes that array: in same-step autoreset the final observations it returns are zeros.
+    cluster, sync = make_pair([InPlaceStateEnv] * NUM_ENVS, mode)
+    with cluster:
+        counts = run_and_compare(cluster, sync, 30, seed=4)
+    sync.close()
+    assert counts["truncated"] > 10, counts
 
 
 @pytest.mark.parametrize("mode", MODES)

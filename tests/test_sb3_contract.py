@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMoni
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
-from tests.envs import make_dict_env  # noqa: E402
+from tests.envs import InPlaceStateEnv, make_dict_env  # noqa: E402
 
 STEPS = 2000
 
@@ -63,6 +63,13 @@ def test_cartpole_matches_dummy_vec_env():
 def test_dict_obs_continuous_truncation_matches_dummy_vec_env():
     # 5 envs on 2 workers: uneven blocks; the env truncates at 25 steps and terminates at random.
     run_side_by_side([make_dict_env] * 5)
+
+
+@pytest.mark.parametrize("cluster_kwargs", [{}, {"num_workers": 2, "inline_worker": True}], ids=["processes", "inline"])
+def test_terminal_observation_of_an_env_that_resets_its_array_in_place(cluster_kwargs):
+    # DummyVecEnv keeps the env's own array as terminal_observation and then resets the env, which
+    # zeroes that array: what it returns (and what off-policy algorithms learn from) is the zeros.
+    run_side_by_side([InPlaceStateEnv] * 4, steps=30, **cluster_kwargs)
 
 
 def test_reset_options_and_seed_match():
