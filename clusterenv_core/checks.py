@@ -24,6 +24,14 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool, or ``TypeError`` naming ``name``: a string such as ``"False"`` is no
+    switch, and ``bool()`` of it would turn the option on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False, below: float = float("inf")) -> float:
     """A finite number of seconds, positive (or zero with ``allow_zero``) and less than ``below``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

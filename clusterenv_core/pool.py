@@ -23,7 +23,7 @@ import numpy as np
 from clusterenv_core import protocol, registry
 from clusterenv_core.actors import DeprecatedPoolMethods
 from clusterenv_core.buffers import BatchSpec
-from clusterenv_core.checks import check_indices, check_int, check_seconds, per_env_values
+from clusterenv_core.checks import check_bool, check_indices, check_int, check_seconds, per_env_values
 from clusterenv_core.errors import (
     ENV_ERROR_CLASSES,
     ClusterEnvError,
@@ -119,6 +119,8 @@ class EnvPool(DeprecatedPoolMethods):
         if autoreset_mode not in AUTORESET_MODES:
             raise ValueError(f"autoreset_mode must be one of {AUTORESET_MODES}, got {autoreset_mode!r}")
         max_restarts = check_int("max_restarts", max_restarts, minimum=0)
+        restart_failed_envs = check_bool("restart_failed_envs", restart_failed_envs)
+        restart_failed_workers = check_bool("restart_failed_workers", restart_failed_workers)
         # Constructing a transport starts nothing; it may know how many workers there are (MPI ranks).
         transport = make_transport(backend, **(backend_options or {}))
         if num_workers is None:
@@ -132,8 +134,8 @@ class EnvPool(DeprecatedPoolMethods):
         self.timeout = timeout
         self.autoreset_mode = autoreset_mode
         self.backend = backend
-        self.restart_failed_envs = bool(restart_failed_envs)
-        self.restart_failed_workers = bool(restart_failed_workers)
+        self.restart_failed_envs = restart_failed_envs
+        self.restart_failed_workers = restart_failed_workers
         self.max_restarts = max_restarts
         #: how many envs and workers were replaced so far
         self.restarts = {"envs": 0, "workers": 0}

@@ -149,6 +149,30 @@ def test_bad_configuration_is_rejected(no_leaks, kwargs, message):
         EnvPool([CARTPOLE] * 2, **kwargs)
 
 
+@pytest.mark.parametrize("option", ["restart_failed_envs", "restart_failed_workers"])
+def test_a_switch_given_as_a_string_is_refused(no_leaks, option):
+    # bool("False") is True: taken as a switch, the string would turn restarts on without a word.
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got 'False'"):
+        EnvPool([CARTPOLE] * 2, **{option: "False"})
+
+
+def test_refused_constructions_keep_no_file_descriptor(no_leaks):
+    lock = threading.Lock()
+    refusals = [
+        ({"num_workers": 0}, ValueError),
+        ({"num_workers": 1.5}, TypeError),
+        ({"restart_failed_envs": "no"}, TypeError),
+    ]
+    open_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        for kwargs, error in refusals:
+            with pytest.raises(error):
+                EnvPool([CARTPOLE] * 2, **kwargs)
+        with pytest.raises(ValueError, match="cannot be pickled"):
+            EnvPool([CARTPOLE, lambda: (lock, gym.make("CartPole-v1"))[1]])
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
 def test_bad_actions_raise_before_anything_is_sent(no_leaks):
     pool = EnvPool([CARTPOLE] * 3, num_workers=2)
     pool.reset(seeds=[0, 1, 2])

@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
-from clusterenv_core.checks import check_int, check_seconds
+from clusterenv_core.checks import check_bool, check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
 from clusterenv_core.transports.base import Transport, WorkerConnection
@@ -185,8 +185,10 @@ class _StderrTails:
         self._current: dict[int, int] = {}  # worker -> read end of its current process
         self._tails: dict[int, bytearray] = {}  # read end -> the last bytes read
         self._finished: set[int] = set()  # read ends that reached end-of-file
-        self._wake_read, self._wake_write = os.pipe()
+        # Opened with the first worker's pipe: a transport that never starts holds no descriptor.
+        self._wake_read = self._wake_write = -1
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def new_pipe(self, worker: int) -> int:
         """A write end for a new process of ``worker`` (the caller closes it once the process has it)."""
@@ -197,6 +199,7 @@ class _StderrTails:
             self._current[worker] = read_end
             self._tails[read_end] = bytearray()
         if self._thread is None:
+            self._wake_read, self._wake_write = os.pipe()
             self._thread = threading.Thread(target=self._forward, name="clusterenv-worker-stderr", daemon=True)
             self._thread.start()
         os.write(self._wake_write, b"n")
@@ -258,17 +261,19 @@ class _StderrTails:
         return "\n".join(text.rstrip().splitlines()[-lines:])
 
     def close(self) -> None:
-        if self._wake_read < 0:
+        if self._closed:
             return
+        self._closed = True
+        wake_ends = ()
         if self._thread is not None:
             os.write(self._wake_write, b"q")
             self._thread.join(timeout=1.0)
+            wake_ends = (self._wake_read, self._wake_write)
         with self._lock:
             still_open = set(self._worker_of) - self._finished
             self._finished |= still_open
-        for fd in (*still_open, self._wake_read, self._wake_write):
+        for fd in (*still_open, *wake_ends):
             os.close(fd)
-        self._wake_read = self._wake_write = -1
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -337,9 +342,7 @@ class LocalTransport(Transport):
         self.memory_size = 0
         self.regions: list[mmap.mmap] = []
         self.failed: set[int] = set()
-        if not isinstance(inline_worker, bool):
-            raise TypeError(f"inline_worker must be a bool, got {inline_worker!r}")
-        self.has_inline_worker = inline_worker
+        self.has_inline_worker = check_bool("inline_worker", inline_worker)
         self.inline: InlineWorker | None = None  # with inline_worker, once started: the last worker
 
     @property
