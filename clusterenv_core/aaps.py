@@ -244,6 +244,14 @@ class PolicySync:
         self.stats.weight_bytes_sent += self.actors.weights_nbytes * self.actors.num_workers
         self.stats.updates_since_sync = 0
 
+    def workers_current(self) -> bool:
+        """Whether the workers hold exactly the learner's weights (the last ones published are
+        the current ones, bit for bit)."""
+        import torch
+
+        current, deployed = self.policy.state_dict(), self.deployed.state_dict()
+        return current.keys() == deployed.keys() and all(torch.equal(value, deployed[name]) for name, value in current.items())
+
     def summary(self) -> dict[str, float]:
         """Counters for logging (``aaps/...`` in SB3, TensorBoard scalars in CleanRL)."""
         stats = self.stats

@@ -97,6 +97,7 @@ class WorkerActors:
         with their next rollout request (other backends)."""
         from clusterenv_core.inference import flatten_weights
 
+        self._check_current()
         if isinstance(policy_or_weights, np.ndarray):
             flat = np.asarray(policy_or_weights, dtype=np.float32).reshape(-1)
         else:
@@ -118,6 +119,7 @@ class WorkerActors:
         pool = self.pool
         pool._check_usable()
         pool._check_not_stepping()
+        self._check_current()
         n_steps = check_int("n_steps", n_steps, minimum=1)
         timeout = pool.timeout if timeout is None else check_seconds("timeout", timeout)
         pool._drain()
@@ -188,6 +190,15 @@ class WorkerActors:
         """:meth:`rollout_async` then :meth:`rollout_wait`."""
         self.rollout_async(n_steps, context, timeout)
         return self.rollout_wait()
+
+    def _check_current(self) -> None:
+        """A later ``deploy`` replaced this policy on the workers: acting through this object would
+        collect with the other policy, and its weights would reach no worker."""
+        if self.pool.actors is not self:
+            raise ClusterEnvError(
+                "this policy is no longer deployed on the pool: a later deploy() replaced it on the workers; "
+                "deploy it again to act with it"
+            )
 
     def _region(self, n_steps: int) -> RolloutArrays:
         """One of two regions per segment length, alternating, so a segment can be collected while

@@ -224,6 +224,7 @@ class WorkerInferenceMixin:
         self._deployed_pool = None
         self._weights_after_learn: dict[str, th.Tensor] | None = None  # to see weights loaded in between
         self._started: tuple[int, dict] | None = None  # (n_steps, context) of a segment being collected
+        self._learn_started = False  # no segment requested yet in this learn()
         self._learner_threads: _LearnerThreads | None = None  # during an overlapped learn()
         if getattr(self, "use_sde", False):
             raise ValueError(
@@ -272,6 +273,7 @@ class WorkerInferenceMixin:
             "_started",
             "_learner_threads",
             "_weights_after_learn",
+            "_learn_started",
         ]
 
     def _setup_learn(self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> tuple[int, BaseCallback]:
@@ -280,6 +282,7 @@ class WorkerInferenceMixin:
         self._sync_config = dict(DEFAULT_SYNC)  # an AAPSCallback among the callbacks reconfigures it
         result = super()._setup_learn(total_timesteps, callback, *args, **kwargs)
         self._ensure_deployed()
+        self._learn_started = True
         return result
 
     def _ensure_deployed(self) -> None:
@@ -290,7 +293,12 @@ class WorkerInferenceMixin:
         pool = self.env.pool
         sync = self._policy_sync
         acting = self._acting_policy()
-        if sync is None or self._deployed_pool is not pool or sync.policy.acting_module() is not acting:
+        if (
+            sync is None
+            or self._deployed_pool is not pool
+            or pool.actors is not sync.actors  # another model deployed its policy on the pool since
+            or sync.policy.acting_module() is not acting
+        ):
             learner = self._make_deployable(acting)
             actors = pool.deploy(learner.deployable_copy(), seed=self.seed)
             self._deployed_pool = pool
@@ -341,6 +349,12 @@ class WorkerInferenceMixin:
             raise RuntimeError("the policy is not deployed on this env's workers: learn() deploys it")
         sync = self._policy_sync
         n_steps, context = self._segment_request()
+        if self._learn_started:
+            # The mode is known now (callbacks configured it): in "always" the first segment acts
+            # with the current weights too, also those a "never" or "aaps" learn() left unpublished.
+            self._learn_started = False
+            if sync.mode == "always" and not sync.workers_current():
+                sync.push()
         if self._started is None:
             sync.actors.rollout_async(n_steps, context)
         elif self._started[0] != n_steps:
@@ -441,6 +455,12 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         behaviour_weights = np.minimum(
             np.exp(all_log_probs.cpu().numpy() - rollout.log_probs), self.max_behaviour_weight
         ).astype(np.float32)
+        sync = self._policy_sync
+        if sync.workers_current():
+            # Steps taken with the learner's own weights are SB3's on-policy steps, of weight 1
+            # exactly: log-probabilities recomputed over the whole segment differ from the workers'
+            # in the last bits, as float32 matrix products do with the batch size.
+            behaviour_weights[rollout.versions == sync.actors.policy_version] = 1.0
 
         for t in range(n_rollout_steps):
             obs = _index(rollout.obs, t)

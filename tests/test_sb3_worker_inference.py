@@ -25,6 +25,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: 
 
 import clusterenv_sb3  # noqa: E402
 from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
+from clusterenv_core import ClusterEnvError  # noqa: E402
 from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
 from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _MlpForward, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
@@ -626,6 +627,80 @@ def test_weights_set_between_learn_calls_reach_the_workers_before_the_first_segm
         model.set_parameters(weights)
         model.learn(32, callback=AAPSCallback(mode=mode))  # one segment, then an update
         assert (model.rollout_buffer.actions == 0).all()
+    finally:
+        env.close()
+
+
+class BehaviourWeights(BaseCallback):
+    """Keeps each segment's behaviour weights (a local of collect_rollouts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: list[np.ndarray] = []
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_rollout_end(self) -> None:
+        self.segments.append(self.locals["behaviour_weights"].copy())
+
+
+@pytest.mark.parametrize("algorithm", [PPO, A2C], ids=["PPO", "A2C"])
+def test_steps_taken_with_the_learners_weights_weigh_exactly_one(algorithm):
+    # Syncing after every update without overlap is SB3's on-policy algorithm. The learner's
+    # log-probabilities over the whole segment differ from the workers' in the last bits (float32
+    # products depend on the batch size); that must not weight the advantages.
+    env = _cluster_env("CartPole-v1", n_envs=4)
+    try:
+        model = algorithm("MlpPolicy", env, seed=0, device="cpu", n_steps=64)
+        recorded = BehaviourWeights()
+        model.learn(64 * 4 * 4, callback=recorded)
+        assert len(recorded.segments) == 4
+        for weights in recorded.segments:
+            np.testing.assert_array_equal(weights, np.ones_like(weights))
+    finally:
+        env.close()
+
+
+def test_an_always_learn_after_a_never_learn_acts_with_the_current_weights():
+    # "never" leaves the trained weights unpublished; the next learn() syncs every update again,
+    # and SB3 acts with the model's current weights from its first step on.
+    env = _cluster_env("CartPole-v1", n_envs=4)
+    try:
+        model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=32, batch_size=64, n_epochs=2)
+        model.learn(32 * 4 * 3, callback=AAPSCallback(mode="never"))
+        assert env.pool.actors.policy_version == 0 and not model.policy_sync.workers_current()
+        recorded = BehaviourWeights()
+        model.learn(32 * 4, callback=recorded)
+        np.testing.assert_array_equal(recorded.segments[0], np.ones_like(recorded.segments[0]))
+    finally:
+        env.close()
+
+
+def _single_action_ppo(env: ClusterVecEnv, action: int, seed: int) -> PPO:
+    """A PPO whose policy always picks ``action`` and never learns."""
+    model = PPO("MlpPolicy", env, seed=seed, device="cpu", n_steps=16, batch_size=32, n_epochs=1,
+                learning_rate=0.0, policy_kwargs={"net_arch": [8]})
+    weights = model.get_parameters()
+    weights["policy"]["action_net.weight"] = th.zeros_like(weights["policy"]["action_net.weight"])
+    weights["policy"]["action_net.bias"] = th.tensor([20.0, -20.0] if action == 0 else [-20.0, 20.0])
+    model.set_parameters(weights)
+    return model
+
+
+def test_models_taking_turns_on_one_env_each_act_with_their_own_policy():
+    # With SB3, any number of models can learn on one VecEnv in turn; each acts with its own policy.
+    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=1)
+    try:
+        first, second = _single_action_ppo(env, 0, seed=0), _single_action_ppo(env, 1, seed=1)
+        first.learn(32)
+        superseded = first.policy_sync.actors
+        second.learn(32)
+        assert (second.rollout_buffer.actions == 1).all()
+        first.learn(32 * 3)
+        assert (first.rollout_buffer.actions == 0).all()
+        with pytest.raises(ClusterEnvError, match="no longer deployed"):
+            superseded.rollout(2)
     finally:
         env.close()
 
