@@ -194,6 +194,24 @@ def test_spawned_worker_death_is_worker_lost_error_at_once():
     assert_gone(worker_pids(output))
 
 
+def test_spawned_worker_death_blames_no_rank_that_did_not_die():
+    """Worker 0 dies while worker 1 still steps; MPICH then ends worker 1 too, so the learner
+    may find either dead: it names worker 0, or says all are lost, never worker 1 alone."""
+    code, output, _ = launch("spawn", "faults.py", "first_rank_dies")
+    assert code == 0, output
+    match = re.search(r"OK first_rank_dies WorkerLostError: (.*)", output)
+    assert match and not match.group(1).startswith("worker 1 "), output
+    assert match.group(1).startswith(("worker 0 ", "all 2 MPI workers of this pool are lost")), output
+    assert_gone(worker_pids(output))
+
+
+def test_no_spawn_after_close_killed_a_stuck_rank():
+    code, output, _ = launch("spawn", "faults.py", "spawn_after_a_killed_rank")
+    assert code == 0, output
+    match = re.search(r"OK spawn_after_a_killed_rank ClusterEnvError after ([\d.]+) s: .*cannot spawn", output)
+    assert match and float(match.group(1)) < 1.0, output
+
+
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_worker_death_ends_the_job(mode):
     """Under mpiexec a dead rank makes MPICH kill the whole job, learner included: bounded, not a hang."""

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 
-from clusterenv_core import EnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
-from tests.envs import FailingEnv, HangingEnv, SuicidalEnv  # noqa: E402
+from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
+from tests.envs import FailingEnv, HangingEnv, SlowCartPole, SuicidalEnv  # noqa: E402
 
 
 def wrapped(wrapper, **kwargs):
@@ -78,6 +78,43 @@ def worker_death() -> None:
         raise AssertionError("no error")
     pool.close()
     print("OK closed", flush=True)
+
+
+def first_rank_dies() -> None:
+    """Worker 0's env kills its rank while worker 1 still steps (spawn: MPICH then ends every rank)."""
+    env_fns = [functools.partial(wrapped, SuicidalEnv, die_at=3), CARTPOLE, CARTPOLE, functools.partial(SlowCartPole, 0.3)]
+    pool = EnvPool(env_fns, backend="mpi", num_workers=2, timeout=30.0)
+    print("WORKERS", *pool._transport.pids, flush=True)
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    step(pool)
+    try:
+        step(pool)
+    except WorkerLostError as error:
+        print(f"OK first_rank_dies WorkerLostError: {error}", flush=True)
+    else:
+        raise AssertionError("no WorkerLostError")
+    pool.close()
+
+
+def spawn_after_a_killed_rank() -> None:
+    """close() kills a stuck spawned rank, which ends MPICH's process manager: the next pool is
+    refused at once instead of spawning through a manager on its way out."""
+    pool = make_pool(functools.partial(wrapped, HangingEnv, hang_at=2), timeout=2.0)
+    pool.reset(seeds=[0, 1, 2, 3])
+    step(pool)
+    try:
+        step(pool)
+    except WorkerTimeoutError:
+        pass
+    pool.close()
+    started = time.monotonic()
+    try:
+        EnvPool([CARTPOLE] * 2, backend="mpi", num_workers=2, timeout=10.0)
+    except ClusterEnvError as error:
+        print(f"OK spawn_after_a_killed_rank {type(error).__name__} after {time.monotonic() - started:.2f} s: {error}", flush=True)
+    else:
+        raise AssertionError("a pool was spawned")
 
 
 def hang() -> None:
@@ -154,6 +191,8 @@ SCENARIOS = {
     "learner_exception": learner_exception,
     "wrong_num_workers": wrong_num_workers,
     "rollout_progress": rollout_progress,
+    "first_rank_dies": first_rank_dies,
+    "spawn_after_a_killed_rank": spawn_after_a_killed_rank,
 }
 
 if __name__ == "__main__":

@@ -183,10 +183,13 @@ class MPITransport(Transport):
 
     def _start_spawn(self, num_workers: int, timeout: float) -> None:
         MPI = State.MPI
-        if pm_exited():
+        # Once a spawned rank died or was killed, MPICH's process manager ends every spawned rank and
+        # then itself; a spawn in the meantime can hang or crash in MPI_Comm_spawn.
+        if State.finalize_unsafe or pm_exited():
             raise ClusterEnvError(
-                "MPI's process manager of this process ended after an earlier worker loss; "
-                "this process cannot spawn MPI workers anymore (start a new process)"
+                "MPI's process manager of this process ended, or is ending, after an earlier worker loss "
+                "(a spawned rank died, or close() killed a stuck one); this process cannot spawn MPI workers "
+                "anymore (start a new process)"
             )
         info = MPI.Info.Create()
         try:
@@ -399,14 +402,18 @@ class MPITransport(Transport):
         self._check_manager()
 
     def _dead(self, worker: int) -> WorkerLostError:
-        why = "died"
         if self.mode == "spawn":
             # MPICH ends the spawned ranks, its process manager exits: no more spawns, no MPI_Finalize.
-            if pm_exited():
-                why += " (MPICH's process manager ended every spawned rank of this process after a rank died)"
             State.finalize_unsafe = True
+            gone = [w for w in range(self.num_workers) if self.hosts[w] == HOST and not pid_alive(self.pids[w])]
+            if pm_exited() or len(gone) > 1:
+                # Every rank ended with the first to die, and nothing tells which that was.
+                return self._lost_all(
+                    "a spawned worker rank died and MPICH's process manager ended every spawned rank of this "
+                    "process (which rank died first cannot be told)"
+                )
         self.failed.add(worker)
-        return WorkerLostError(f"worker {worker} ({self._describe(worker)}) {why}")
+        return WorkerLostError(f"worker {worker} ({self._describe(worker)}) died")
 
     def _lost_all(self, why: str) -> WorkerLostError:
         self.failed.update(range(self.num_workers))
