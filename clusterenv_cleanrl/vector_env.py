@@ -125,6 +125,7 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
     def close_extras(self, **kwargs: Any) -> None:
         """Close the envs and stop the workers."""
         if hasattr(self, "pool"):
+            self._observations = None  # views of the pool's shared memory, which close() unmaps
             self.pool.close()
 
     # gymnasium 1.x vector envs are not context managers; workers are worth a ``with`` block.

@@ -97,6 +97,8 @@ class WorkerActors:
         with their next rollout request (other backends)."""
         from clusterenv_core.inference import flatten_weights
 
+        if self.pool.closed:
+            raise ClusterEnvError("the pool is closed")
         self._check_current()
         if isinstance(policy_or_weights, np.ndarray):
             flat = np.asarray(policy_or_weights, dtype=np.float32).reshape(-1)
@@ -190,6 +192,13 @@ class WorkerActors:
         """:meth:`rollout_async` then :meth:`rollout_wait`."""
         self.rollout_async(n_steps, context, timeout)
         return self.rollout_wait()
+
+    def release(self) -> None:
+        """Drop the views of the weights and segment regions (the pool is closing: see
+        :meth:`BatchBuffers.release <clusterenv_core.buffers.BatchBuffers.release>`)."""
+        self.weights = None
+        self._regions = {}
+        self._pending = None
 
     def _check_current(self) -> None:
         """A later ``deploy`` replaced this policy on the workers: acting through this object would

@@ -90,3 +90,10 @@ class BatchBuffers:
         self.rewards = self.arrays["rewards"]
         self.terminated = self.arrays["terminated"]
         self.truncated = self.arrays["truncated"]
+
+    def release(self) -> None:
+        """Drop the views, so that the memory can be unmapped (a mapping with views still exported
+        stays, and holds its memory, for as long as they live); the buffers are unusable after."""
+        self.arrays = {}
+        self.obs, self.final_obs, self.actions = [], [], []
+        self.rewards = self.terminated = self.truncated = None

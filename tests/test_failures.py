@@ -173,6 +173,34 @@ def test_refused_constructions_keep_no_file_descriptor(no_leaks):
     assert len(os.listdir("/proc/self/fd")) == open_before
 
 
+def buffer_mappings() -> int:
+    """The learner's mappings of pools' shared memory (memory files named clusterenv-buffers)."""
+    with open("/proc/self/maps") as maps:
+        return sum("clusterenv-buffers" in line for line in maps)
+
+
+@pytest.mark.parametrize("adapter", ["ClusterVecEnv", "ClusterVectorEnv"])
+def test_close_unmaps_the_shared_memory_while_the_object_lives_on(no_leaks, adapter):
+    # A closed env often stays referenced (a model's env, a list of runs): its memory must go anyway.
+    from clusterenv_cleanrl import ClusterVectorEnv
+    from clusterenv_sb3 import ClusterVecEnv
+
+    before = buffer_mappings()
+    if adapter == "ClusterVecEnv":
+        env = ClusterVecEnv([CARTPOLE] * 4, num_workers=2, restart_failed_workers=True)
+        env.reset()
+        env.step(np.zeros(4, dtype=np.int64))
+    else:
+        env = ClusterVectorEnv([CARTPOLE] * 4, num_workers=2)
+        env.reset(seed=0)
+        env.step(np.zeros(4, dtype=np.int64))
+    assert buffer_mappings() > before
+    env.close()
+    assert buffer_mappings() == before
+    with pytest.raises(ClusterEnvError, match="closed"):
+        env.reset()
+
+
 def test_bad_actions_raise_before_anything_is_sent(no_leaks):
     pool = EnvPool([CARTPOLE] * 3, num_workers=2)
     pool.reset(seeds=[0, 1, 2])

@@ -129,6 +129,23 @@ def test_rollout_equals_sequential_reference():
         assert (rollout.versions == 0).all()
 
 
+def test_close_unmaps_the_weights_and_segment_regions():
+    from tests.test_failures import buffer_mappings
+
+    before = buffer_mappings()
+    pool = EnvPool.make("CartPole-v1", 4, num_workers=2)
+    pool.reset(seeds=[0, 1, 2, 3])
+    actors = pool.deploy(LinearPolicy())
+    actors.rollout(8)
+    actors.publish_weights(LinearPolicy())
+    pool.close()
+    assert buffer_mappings() == before
+    with pytest.raises(ClusterEnvError, match="closed"):
+        actors.publish_weights(LinearPolicy())
+    with pytest.raises(ClusterEnvError, match="closed"):
+        actors.rollout(8)
+
+
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
