@@ -66,8 +66,16 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (np.generic, np.ndarray)) and value.ndim == 0 and value.dtype.kind in "biuf"
 
 
-def unpicklable_part(result: Any) -> tuple[int | None, str]:
-    """Where a result that could not be pickled holds what cannot be: ``(env index, description)``."""
+def unpicklable_part(result: Any, indices: list[int] | None = None, label: str = "") -> tuple[int | None, str]:
+    """Where a result that could not be pickled holds what cannot be: ``(env index, description)``.
+
+    :param indices: for a per-env list (``call``, ``get_attr``), the env of each item
+    :param label: what those items are (``"attribute 'lock'"``)
+    """
+    if indices is not None and isinstance(result, list):
+        for index, value in zip(indices, result):
+            if not _picklable(value):
+                return index, f"the {label} of env {index} ({describe(value)})"
     parts_by_step = result.get("steps") if isinstance(result, dict) and "steps" in result else None
     for parts in parts_by_step.values() if parts_by_step else [result]:
         if not isinstance(parts, dict):

@@ -444,7 +444,7 @@ class Worker:
             reply = failure.reply(self.first_index)
         except Exception as error:  # a bug or a bad message: report it rather than die silently
             reply = RemoteFailure(None, type(request).__name__, error).reply(0)
-        reply = self._send_reply(connection.send, reply, type(request).__name__.lower())
+        reply = self._send_reply(connection.send, reply, *self._reply_parts(request))
         if reply[0] == OK:
             if request.REPLY_ROWS:
                 connection.send_rows()
@@ -452,13 +452,26 @@ class Worker:
                 connection.send_arrays(arrays)
         return isinstance(request, protocol.Close)
 
-    def _send_reply(self, send: Callable[[tuple], None], reply: tuple, operation: str) -> tuple:
+    def _reply_parts(self, request: protocol.Request) -> tuple[str, list[int] | None, str]:
+        """How errors name ``request`` (the operation), and for per-env results, the env of each
+        item and what the items are."""
+        if isinstance(request, protocol.Call):
+            return f"call {request.name}", [self.first_index + slot for slot in request.slots], f"result of {request.name!r}"
+        if isinstance(request, protocol.GetAttr):
+            return f"get_attr {request.name}", [self.first_index + slot for slot in request.slots], f"attribute {request.name!r}"
+        return type(request).__name__.lower(), None, ""
+
+    def _send_reply(
+        self, send: Callable[[tuple], None], reply: tuple, operation: str, indices: list[int] | None = None, label: str = ""
+    ) -> tuple:
         """Send ``reply``; returns what was sent. Backends pickle before sending anything, so a reply
-        that cannot be pickled becomes an error reply naming the env and info key responsible."""
+        that cannot be pickled becomes an error reply naming the env and the info key, attribute or
+        method responsible (``indices``: the env of each item of a per-env result, ``label`` what
+        the items are)."""
         try:
             send(reply)
         except Exception as error:
-            index, what = unpicklable_part(reply[1])
+            index, what = unpicklable_part(reply[1], indices, label)
             slot = None if index is None else index - self.first_index
             failure = InvalidEnvOutput(f"{what} cannot be pickled to reach the learner ({type(error).__name__}: {error})")
             reply = RemoteFailure(slot, operation, failure).reply(self.first_index)

@@ -473,6 +473,16 @@ class InPlaceStateEnv(gym.Env):
         return self.state, float(action), False, self.steps == 3, {}
 
 
+class LockHoldingEnv(gym.Wrapper):
+    """CartPole holding a lock, which cannot be pickled."""
+
+    def __init__(self) -> None:
+        import threading
+
+        super().__init__(gym.make("CartPole-v1"))
+        self.lock = threading.Lock()
+
+
 class ChildStartingEnv(gym.Wrapper):
     """CartPole that starts a helper process (a simulator server, say) and never ends it."""
 

@@ -89,9 +89,9 @@ def test_restart_failed_envs_replaces_an_env_with_bad_output(mode):
 def test_an_unpicklable_result_of_an_env_method_is_named():
     with EnvPool([functools.partial(MisbehavingEnv, "obs_shape", bad_at=10**9)] * 3, num_workers=2) as pool:
         pool.reset()
-        with pytest.raises(EnvError, match=r"the reply \(list of 1\) cannot be pickled to reach the learner") as caught:
+        with pytest.raises(EnvError, match=r"the result of 'make_lock' of env 2 \(lock\) cannot be pickled to reach the learner") as caught:
             pool.call("make_lock", indices=[2])
-        assert caught.value.worker_index == 1
+        assert (caught.value.env_index, caught.value.worker_index, caught.value.operation) == (2, 1, "call make_lock")
         assert pool.step(np.zeros(3, np.int64)).rewards.tolist() == [1.0, 1.0, 1.0]
 
 

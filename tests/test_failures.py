@@ -19,7 +19,16 @@ import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
-from tests.envs import ChildStartingEnv, CrashingEnv, FailingCloseEnv, FailingEnv, HangingEnv, SuicidalEnv, UnprintableFailureEnv
+from tests.envs import (
+    ChildStartingEnv,
+    CrashingEnv,
+    FailingCloseEnv,
+    FailingEnv,
+    HangingEnv,
+    LockHoldingEnv,
+    SuicidalEnv,
+    UnprintableFailureEnv,
+)
 from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -199,6 +208,14 @@ def test_close_unmaps_the_shared_memory_while_the_object_lives_on(no_leaks, adap
     assert buffer_mappings() == before
     with pytest.raises(ClusterEnvError, match="closed"):
         env.reset()
+
+
+def test_an_attribute_that_cannot_be_pickled_is_named_with_its_env(no_leaks):
+    # test_env_output covers a method's result.
+    with EnvPool([CARTPOLE, CARTPOLE, LockHoldingEnv, LockHoldingEnv], num_workers=2) as pool:
+        with pytest.raises(EnvError, match=r"get_attr lock failed in env 3 on worker 1: .*the attribute 'lock' of env 3"):
+            pool.get_attr("lock", indices=[3])
+        assert pool.get_attr("spec", indices=[3])[0].id == "CartPole-v1"  # the worker lives on
 
 
 def test_bad_actions_raise_before_anything_is_sent(no_leaks):
