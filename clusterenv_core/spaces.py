@@ -317,6 +317,9 @@ def _as_field_array(field: Field, batch: Any, num_envs: int) -> np.ndarray:
                 raise ValueError(f"{field.name}: values out of range of {field.dtype}")
     elif field.dtype.kind in "fc" and array.dtype.kind not in "biufc":
         raise ValueError(f"{field.name}: dtype {array.dtype} is not numeric")
+    elif field.dtype.kind == "f" and array.dtype.kind == "c":
+        # Storing them would drop the imaginary parts with no more than numpy's warning.
+        raise ValueError(f"{field.name}: complex values for a real space")
     return array
 
 

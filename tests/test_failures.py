@@ -229,6 +229,11 @@ def test_bad_actions_raise_before_anything_is_sent(no_leaks):
     result = _step_zeros(pool)  # nothing was sent: the pool is still in step with its workers
     assert result.rewards.tolist() == [1.0, 1.0, 1.0]
     pool.close()
+    with EnvPool.make("Pendulum-v1", 2, num_workers=1) as pool:
+        pool.reset(seeds=[0, 1])
+        with pytest.raises(ValueError, match="complex values for a real space"):
+            pool.step(np.array([[0.5 + 1j], [0.0]]))
+        pool.step(np.array([[0.5], [0.0]]))
 
 
 def _module(directory, name: str) -> str:
