@@ -69,7 +69,7 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
     pool: EnvPool
     copy: bool
     _observations: Any
-    _through_wrappers: bool  # gymnasium 1.x sets attributes with set_wrapper_attr, 0.29 with setattr
+    _through_wrappers: bool  # gymnasium 1.x looks attributes up with get/set_wrapper_attr, 0.29 with getattr/setattr
 
     def _batch(self, obs: Any) -> Any:
         """The batched observation ``SyncVectorEnv`` would return for the pool's ``obs``."""
@@ -89,15 +89,16 @@ class _PoolVectorEnv(gym.vector.VectorEnv):
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call method ``name`` of every env with ``args`` and ``kwargs``, or get it if it is not callable.
 
-        :param name: attribute name, looked up through the env's wrappers
+        :param name: attribute name, looked up as ``SyncVectorEnv`` looks it up (gymnasium 1.x:
+            through the env's wrappers; 0.29: ``getattr``, whose wrappers refuse private names)
         :return: one result per env
         """
-        return tuple(self.pool.call(name, args, kwargs))
+        return tuple(self.pool.call(name, args, kwargs, through_wrappers=self._through_wrappers))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """Attribute ``name`` of every env (called if callable, as ``SyncVectorEnv`` does).
 
-        :param name: attribute name, looked up through the env's wrappers
+        :param name: attribute name, looked up as by :meth:`call`
         :return: one value per env
         """
         return self.call(name)

@@ -441,21 +441,29 @@ class EnvPool(DeprecatedPoolMethods):
         kwargs: dict[str, Any] | None = None,
         indices: Iterable[int] | None = None,
         require_callable: bool = False,
+        through_wrappers: bool = True,
     ) -> list:
-        """Call method ``name`` of each selected env (looked up through its wrappers) with ``args``
-        and ``kwargs`` and return the results in the order of ``indices``; a non-callable attribute
-        is returned as is unless ``require_callable``.
+        """Call method ``name`` of each selected env with ``args`` and ``kwargs`` and return the
+        results in the order of ``indices``; a non-callable attribute is returned as is unless
+        ``require_callable``.
 
         The env's arguments are explicit parameters, so they may use any names (``indices`` too).
+
+        :param through_wrappers: look ``name`` up with the env's ``get_wrapper_attr`` (gymnasium 1.x,
+            SB3); ``False``: with ``getattr`` (gymnasium 0.29's ``SyncVectorEnv``)
         """
         args, kwargs = tuple(args), dict(kwargs or {})
         return self._per_worker(
-            lambda slots, values: protocol.Call(name, args, kwargs, slots, require_callable), indices, f"call {name}"
+            lambda slots, values: protocol.Call(name, args, kwargs, slots, require_callable, through_wrappers),
+            indices,
+            f"call {name}",
         )
 
-    def get_attr(self, name: str, indices: Iterable[int] | None = None) -> list:
-        """Attribute ``name`` of each selected env, looked up through its wrappers."""
-        return self._per_worker(lambda slots, values: protocol.GetAttr(name, slots), indices, f"get_attr {name}")
+    def get_attr(self, name: str, indices: Iterable[int] | None = None, through_wrappers: bool = True) -> list:
+        """Attribute ``name`` of each selected env (``through_wrappers``: as for :meth:`call`)."""
+        return self._per_worker(
+            lambda slots, values: protocol.GetAttr(name, slots, through_wrappers), indices, f"get_attr {name}"
+        )
 
     def set_attr(
         self, name: str, values: Sequence[Any], indices: Iterable[int] | None = None, through_wrappers: bool = False

@@ -150,19 +150,23 @@ class Rollout(Request):
 
 @dataclass(frozen=True)
 class Call(Request):
-    """Call (or get, if not callable) attribute ``name`` of the envs at ``slots``; one result each."""
+    """Call (or get, if not callable) attribute ``name`` of the envs at ``slots``; one result each.
+    With ``through_wrappers`` the name is looked up with ``get_wrapper_attr`` (gymnasium 1.x, SB3),
+    else with ``getattr`` (gymnasium 0.29's ``SyncVectorEnv``, whose wrappers refuse private names)."""
 
     name: str
     args: tuple
     kwargs: dict
     slots: list[int]
     require_callable: bool
+    through_wrappers: bool
 
 
 @dataclass(frozen=True)
 class GetAttr(Request):
     name: str
     slots: list[int]
+    through_wrappers: bool
 
 
 @dataclass(frozen=True)

@@ -317,15 +317,18 @@ class EnvBlock:
             result["steps"] = steps
         return result
 
-    def call(self, name: str, args: tuple, kwargs: dict, slots: list[int], require_callable: bool) -> list:
-        """Look ``name`` up through the wrappers of each selected env; call it if callable.
+    def call(
+        self, name: str, args: tuple, kwargs: dict, slots: list[int], require_callable: bool, through_wrappers: bool
+    ) -> list:
+        """Look ``name`` up in each selected env (through its wrappers, or with ``getattr``); call it
+        if callable.
 
         With ``require_callable`` (SB3's ``env_method``) a non-callable attribute is an error.
         """
         results = []
         for slot in slots:
             try:
-                attribute = _get_wrapper_attr(self.envs[slot], name)
+                attribute = _attribute(self.envs[slot], name, through_wrappers)
                 if callable(attribute):
                     results.append(attribute(*args, **kwargs))
                 elif require_callable:
@@ -336,11 +339,11 @@ class EnvBlock:
                 raise RemoteFailure(slot, f"call {name}", error) from error
         return results
 
-    def get_attr(self, name: str, slots: list[int]) -> list:
+    def get_attr(self, name: str, slots: list[int], through_wrappers: bool) -> list:
         results = []
         for slot in slots:
             try:
-                results.append(_get_wrapper_attr(self.envs[slot], name))
+                results.append(_attribute(self.envs[slot], name, through_wrappers))
             except BaseException as error:
                 raise RemoteFailure(slot, f"get_attr {name}", error) from error
         return results
@@ -383,9 +386,9 @@ class EnvBlock:
             raise errors[0]
 
 
-def _get_wrapper_attr(env: Any, name: str) -> Any:
+def _attribute(env: Any, name: str, through_wrappers: bool) -> Any:
     # gymnasium >= 0.29 resolves attributes through the wrapper stack with get_wrapper_attr.
-    if hasattr(env, "get_wrapper_attr"):
+    if through_wrappers and hasattr(env, "get_wrapper_attr"):
         return env.get_wrapper_attr(name)
     return getattr(env, name)
 
@@ -559,10 +562,12 @@ class Worker:
         return self.rollout_regions[key]
 
     def call(self, request: protocol.Call) -> list:
-        return self.block.call(request.name, request.args, request.kwargs, request.slots, request.require_callable)
+        return self.block.call(
+            request.name, request.args, request.kwargs, request.slots, request.require_callable, request.through_wrappers
+        )
 
     def get_attr(self, request: protocol.GetAttr) -> list:
-        return self.block.get_attr(request.name, request.slots)
+        return self.block.get_attr(request.name, request.slots, request.through_wrappers)
 
     def set_attr(self, request: protocol.SetAttr) -> None:
         self.block.set_attr(request.name, request.values, request.slots, request.through_wrappers)

@@ -396,6 +396,23 @@ def test_call_get_attr_set_attr_render():
     sync.close()
 
 
+def test_private_attributes_are_looked_up_as_sync_vector_env_looks_them_up():
+    # gymnasium 1.x finds a wrapper's private attribute through the stack; 0.29's wrappers refuse it.
+    cluster, sync = make_pair([make_cartpole] * 2)
+    with cluster:
+        cluster.reset(seed=0)
+        sync.reset(seed=0)
+        try:
+            expected = sync.get_attr("_elapsed_steps")
+        except AttributeError as error:
+            with pytest.raises(AttributeError, match="private attribute"):
+                cluster.get_attr("_elapsed_steps")
+            assert not GYMNASIUM_1, error
+        else:
+            assert cluster.get_attr("_elapsed_steps") == expected == (0, 0)
+    sync.close()
+
+
 @pytest.mark.skipif(not GYMNASIUM_1, reason="reset_mask and autoreset modes are gymnasium 1.x")
 def test_reset_mask_validation():
     cluster, sync = make_pair([make_dict_env] * NUM_ENVS, "Disabled")
