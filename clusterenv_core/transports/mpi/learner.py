@@ -417,7 +417,7 @@ class MPITransport(Transport):
 
     def _lost_all(self, why: str) -> WorkerLostError:
         self.failed.update(range(self.num_workers))
-        return WorkerLostError(f"all {self.num_workers} MPI workers of this pool are lost: {why}")
+        return WorkerLostError(f"all MPI workers of this pool ({self.num_workers}) are lost: {why}")
 
     # -- buffers and steps ------------------------------------------------------------------------
 
