@@ -483,6 +483,20 @@ class LockHoldingEnv(gym.Wrapper):
         self.lock = threading.Lock()
 
 
+class ChattyEnv(gym.Wrapper):
+    """CartPole that writes to its process's stderr on request (a simulator's log)."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def say(self, text: str, repeat: int = 1) -> None:
+        import sys
+
+        for _ in range(repeat):
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
 class ChildStartingEnv(gym.Wrapper):
     """CartPole that starts a helper process (a simulator server, say) and never ends it."""
 

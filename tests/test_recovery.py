@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import FailingEnv, HangingEnv, SuicidalEnv
+from tests.envs import ChattyEnv, FailingEnv, HangingEnv, SuicidalEnv
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -97,6 +99,23 @@ def test_lost_worker_is_replaced_same_step():
         pool.step(_zeros(pool))
         with pytest.raises(WorkerLostError):  # the replacement dies too, and the budget is spent
             pool.step(_zeros(pool))
+
+
+def test_a_replacement_workers_stderr_is_forwarded_however_often_it_was_replaced(capfd):
+    # Each replacement gets a new pipe, whose number is often that of the last one, closed at its
+    # end-of-file: it must be read all the same, or a worker writing much would block on it.
+    with EnvPool([ChattyEnv] * 2, num_workers=2, restart_failed_workers=True, max_restarts=5, timeout=10) as pool:
+        pool.reset(seeds=[0, 1])
+        for restart in range(4):
+            os.kill(pool.worker_pids[0], signal.SIGKILL)
+            time.sleep(0.2)  # the learner's reader sees the end of the dead worker's stderr
+            pool.step(_zeros(pool))
+            started = time.monotonic()
+            pool.call("say", (f"line after restart {restart + 1}", 4000), indices=[0])  # ~100 KiB
+            assert time.monotonic() - started < 5
+        time.sleep(0.5)
+        assert pool.restarts["workers"] == 4
+    assert "line after restart 4" in capfd.readouterr().err
 
 
 def test_stuck_worker_is_replaced_next_step():

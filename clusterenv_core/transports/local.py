@@ -195,6 +195,8 @@ class _StderrTails:
         read_end, write_end = os.pipe()
         os.set_blocking(read_end, False)
         with self._lock:
+            # The number may be that of an earlier pipe, closed at its end-of-file: this one is open.
+            self._finished.discard(read_end)
             self._worker_of[read_end] = worker
             self._current[worker] = read_end
             self._tails[read_end] = bytearray()
