@@ -32,19 +32,47 @@ if TYPE_CHECKING:
     from clusterenv_core.pool import EnvPool
 
 
+def _check_batch_size_fits_blocks(batch_size: int, block_sizes: list[int]) -> None:
+    """Refuse a batch size that can leave the pool waiting for ever.
+
+    A block steps once all its envs have actions, and results come in whole blocks. A batch that
+    takes part of a block can strand the rest of it: too few envs are ready to fill a batch, and
+    the block cannot step without the ones left. Safe are all the envs, a divisor of every block
+    (no batch spans two blocks), and a multiple of the block when the blocks are equal (batches
+    take whole blocks).
+    """
+    num_envs = sum(block_sizes)
+    equal = len(set(block_sizes)) == 1
+    if batch_size == num_envs or all(size % batch_size == 0 for size in block_sizes):
+        return
+    if equal and batch_size % block_sizes[0] == 0:
+        return
+    divisors = [d for d in range(1, min(block_sizes) + 1) if all(size % d == 0 for size in block_sizes)]
+    multiples = list(range(block_sizes[0], num_envs + 1, block_sizes[0])) if equal else [num_envs]
+    fitting = sorted(set(divisors + multiples))
+    raise ValueError(
+        f"batch_size={batch_size} does not fit the workers' blocks of {block_sizes} envs: a block steps only "
+        f"once all its envs have actions, so a batch that splits blocks can leave envs that no batch returns "
+        f"and the pool waiting for ever; use one of {fitting} (or change num_workers)"
+    )
+
+
 class AsyncBatches:
     """Asynchronous stepping of a pool's envs in batches of ``batch_size``.
 
     :param pool: a pool made with ``autoreset_mode="next_step"`` whose spaces have buffers (no
         Text/Graph/Sequence or custom spaces), with no step pending
-    :param batch_size: how many envs each :meth:`recv` returns; with several workers, a multiple
-        of a worker's block keeps every worker busy (a block steps once all its envs have actions)
+    :param batch_size: how many envs each :meth:`recv` returns: a divisor of every worker's block,
+        a multiple of the block when the blocks are equal (which keeps every worker busy), or all the
+        envs; others are refused, as they could leave envs that no batch returns (a block steps
+        once all its envs have actions)
     """
 
     def __init__(self, pool: EnvPool, batch_size: int) -> None:
         batch_size = check_int("batch_size", batch_size, minimum=1)
         if batch_size > pool.num_envs:
             raise ValueError(f"batch_size must be at most num_envs={pool.num_envs}, got {batch_size}")
+        _check_batch_size_fits_blocks(batch_size, [len(block) for block in pool.blocks])
         if pool.autoreset_mode != "next_step":
             raise ValueError(
                 f"asynchronous batches reset episodes in the next step: make the pool with "

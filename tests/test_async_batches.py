@@ -351,3 +351,37 @@ def test_batches_need_next_step_autoreset_and_buffered_spaces():
         batches = pool.async_batches(2)
         with pytest.raises(ClusterEnvError, match="recv before reset"):
             batches.recv()
+
+
+@pytest.mark.parametrize(
+    "num_envs, num_workers, batch_size, fits",
+    [
+        (6, 2, 1, True),  # a divisor of every block
+        (6, 2, 3, True),  # one whole block
+        (6, 2, 6, True),  # all the envs
+        (10, 3, 1, True),  # blocks 4/3/3: only 1 and 10 fit
+        (10, 3, 10, True),
+        (6, 2, 5, False),  # these left envs that no batch returns
+        (6, 2, 4, False),
+        (10, 3, 9, False),
+        (10, 3, 3, False),
+    ],
+)
+def test_batch_sizes_that_could_strand_envs_are_refused(num_envs, num_workers, batch_size, fits):
+    make = functools.partial(
+        ClusterEnvPool, env_id="CartPole-v1", num_envs=num_envs, batch_size=batch_size, seed=1, num_workers=num_workers
+    )
+    if not fits:
+        with pytest.raises(ValueError, match=f"batch_size={batch_size} does not fit the workers' blocks"):
+            make()
+        return
+    envs = make()
+    try:
+        envs.async_reset()
+        rng = np.random.default_rng(0)
+        for _ in range(30):  # the pattern EnvPool's users write: act on the batch that came
+            *_, info = envs.recv()
+            env_ids = rng.permutation(info["env_id"])
+            envs.send(rng.integers(0, 2, len(env_ids)), env_ids)
+    finally:
+        envs.close()
