@@ -20,7 +20,6 @@ from clusterenv_core import protocol
 from clusterenv_core.buffers import field_views, fields_nbytes
 from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import ClusterEnvError
-from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
 
 if TYPE_CHECKING:
@@ -167,8 +166,7 @@ class WorkerActors:
                 infos[step].update(parts.get("infos", ()))
                 reset_infos[step].update(parts.get("reset_infos", ()))
                 pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
-        if pool.restart_failed_envs:
-            pool.restarts["envs"] += sum(RESTART_INFO_KEY in info for step in infos for info in step.values())
+                pool._count_env_restarts(parts)
         obs_layout, act_layout = pool.buffers.obs_layout, pool.buffers.act_layout
         return Rollout(
             obs=time_major(obs_layout, region.obs),

@@ -298,5 +298,6 @@ class AsyncBatches:
                 self._returned[block.start : block.stop] = True
                 raise
             parts = results.get(worker) or {}
+            pool._count_env_restarts(parts)
             self._infos.update(parts.get("infos", ()))
             self._ready.extend(block)

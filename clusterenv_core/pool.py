@@ -32,7 +32,7 @@ from clusterenv_core.errors import (
     WorkerTimeoutError,
 )
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
-from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS, RESTART_INFO_KEY
+from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS
 from clusterenv_core.results import ResetResult, StepResult
 from clusterenv_core.spaces import common_spaces
 from clusterenv_core.transports import Transport, make_transport
@@ -89,7 +89,9 @@ class EnvPool(DeprecatedPoolMethods):
         :attr:`observation_spaces` holds each env's.
 
     A replaced env or worker ends its interrupted episodes as truncated, with the reason under the
-    info key :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`; :attr:`restarts` counts them. Both are
+    info key :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`; :attr:`restarts` counts them (and
+    :attr:`env_restarts` each env's). An env whose automatic reset raised keeps the step that ended
+    its episode. Both are
     off by default: a restart changes the data a run sees (an episode cut short, a fresh env RNG), so
     it is opted into, never silent.
     """
@@ -139,6 +141,8 @@ class EnvPool(DeprecatedPoolMethods):
         self.max_restarts = max_restarts
         #: how many envs and workers were replaced so far
         self.restarts = {"envs": 0, "workers": 0}
+        #: how often each env was replaced so far
+        self.env_restarts = [0] * num_envs
         #: the global env indices of each worker's block
         self.blocks = _blocks(num_envs, num_workers)
         #: the worker of each env index
@@ -157,6 +161,7 @@ class EnvPool(DeprecatedPoolMethods):
                 autoreset_mode=autoreset_mode,
                 max_env_restarts=max_restarts if self.restart_failed_envs else 0,
                 restarted=False,
+                env_restarts=[0] * len(block),
                 sys_path=list(sys.path),
                 registry=shipped_registry,
             )
@@ -322,8 +327,7 @@ class EnvPool(DeprecatedPoolMethods):
             reset_infos.update(parts.get("reset_infos", ()))
             final_obs.update(parts.get("final_obs", ()))
             self._store_pickled_obs(parts)
-        if self.restart_failed_envs:
-            self.restarts["envs"] += sum(RESTART_INFO_KEY in info for info in infos.values())
+            self._count_env_restarts(parts)
         buffers = self.buffers
         return StepResult(
             self._obs, buffers.rewards, buffers.terminated, buffers.truncated, infos, reset_infos, final_obs, buffers
@@ -375,6 +379,13 @@ class EnvPool(DeprecatedPoolMethods):
     def _store_pickled_obs(self, parts: dict) -> None:
         for index, obs in parts.get("obs", {}).items():
             self._obs[index] = obs
+
+    def _count_env_restarts(self, parts: dict) -> None:
+        """Count the envs a reply says were replaced, in all and per env: an env's budget of
+        ``max_restarts`` goes to the worker that replaces its worker."""
+        for index in parts.get("env_restarts", ()):
+            self.restarts["envs"] += 1
+            self.env_restarts[index] += 1
 
     # -- worker-side inference --------------------------------------------------------------------
 

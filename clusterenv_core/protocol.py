@@ -70,6 +70,7 @@ class Init(Request):
     autoreset_mode: str
     max_env_restarts: int  # how often one env that raises in step may be rebuilt (0: never)
     restarted: bool  # the block replaces a lost worker's
+    env_restarts: list[int]  # replacements of each env of the block so far (a budget carried over)
     sys_path: list[str]  # the learner's import path
     registry: list  # the learner's env registry (clusterenv_core.registry.ShippedSpec)
 
@@ -213,7 +214,7 @@ class ErrorDetails(NamedTuple):
 # The result of a step or reset (and of each rollout step) names what could not go through the
 # buffers, each part only when not empty: "infos", "reset_infos", "final_obs" (final observations
 # that do not fit the buffers) and "obs" (observations of spaces without buffers), each a dict by
-# global env index.
+# global env index; and "env_restarts", the list of the envs replaced (restart_failed_envs).
 StepParts = dict
 
 OK_NONE = (OK, None)

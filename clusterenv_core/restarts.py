@@ -84,11 +84,12 @@ class WorkerRestarts:
         from clusterenv_core.pool import START_TIMEOUT
 
         start_timeout = max(pool.timeout, START_TIMEOUT)
-        pool._send(worker, dataclasses.replace(pool._init_requests[worker], restarted=True))
+        block = pool.blocks[worker]
+        env_restarts = [pool.env_restarts[index] for index in block]
+        pool._send(worker, dataclasses.replace(pool._init_requests[worker], restarted=True, env_restarts=env_restarts))
         pool._gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
         pool._attach([worker], start_timeout)
 
-        block = pool.blocks[worker]
         layout, rows = pool.buffers.obs_layout, slice(block.start, block.stop)
         if layout.buffered:
             previous: dict[int, Any] = {i: layout.read(self.obs_before_step, i) for i in block}

@@ -92,13 +92,21 @@ class EnvBlock:
     """
 
     def __init__(
-        self, env_fns: list, first_index: int, autoreset_mode: str, max_env_restarts: int = 0, restarted: bool = False
+        self,
+        env_fns: list,
+        first_index: int,
+        autoreset_mode: str,
+        max_env_restarts: int = 0,
+        restarted: bool = False,
+        env_restarts: list[int] | None = None,
     ) -> None:
         self.env_fns = env_fns
         self.first_index = first_index
         self.autoreset_mode = autoreset_mode
         self.max_env_restarts = max_env_restarts
-        self.env_restarts = [0] * len(env_fns)
+        # Replacements of each env so far, also by earlier workers of this block.
+        self.env_restarts = list(env_restarts) if env_restarts else [0] * len(env_fns)
+        self.replaced: list[int] = []  # env indices replaced in the current request
         self.envs = [self._make_env(slot) for slot in range(len(env_fns))]
         # next_step mode: envs to reset at their next step.
         self.needs_reset = np.full(len(self.envs), restarted and autoreset_mode == "next_step")
@@ -151,6 +159,7 @@ class EnvBlock:
         reset_infos: dict[int, dict] = {}
         final_obs: dict[int, Any] = {}
         pickled_obs: dict[int, Any] = {}
+        self.replaced = []
         row = self.row0
         for slot, env in enumerate(self.envs):
             index = self.first_index + slot
@@ -158,14 +167,16 @@ class EnvBlock:
             # or a replaced env): its output is checked where it is used anyway, at no cost when good.
             try:
                 if next_step and self.needs_reset[slot]:
-                    obs, info = checked_reset(env.reset())
+                    obs, info = self._reset_or_replace(slot)
                     reward, term, trunc = 0.0, False, False
                 else:
                     obs, reward, term, trunc, info = checked_step(env.step(read_action(row)))
                 if term or trunc:
                     if same_step:
                         final = obs
-                        obs, reset_info = checked_reset(env.reset())
+                        obs, reset_info = self._reset_or_replace(slot)
+                        if RESTART_INFO_KEY in reset_info:  # said where a raising step says it
+                            info = {**info, RESTART_INFO_KEY: reset_info.pop(RESTART_INFO_KEY)}
                         # Stored after the reset: DummyVecEnv, SubprocVecEnv and SyncVectorEnv keep the
                         # env's own object, so an env that resets its observation array in place
                         # resets their final observation too.
@@ -184,6 +195,8 @@ class EnvBlock:
                         write_obs(row, obs)
                     except Exception as error:
                         raise self._obs_error(obs, error) from error
+            except RemoteFailure:
+                raise  # a replacement that failed in turn
             except BaseException as error:
                 if self.env_restarts[slot] >= self.max_env_restarts:
                     raise RemoteFailure(slot, "step", error) from error
@@ -207,7 +220,7 @@ class EnvBlock:
         buffers.rewards[self.rows] = rewards
         buffers.terminated[self.rows] = terminations
         buffers.truncated[self.rows] = truncations
-        return _parts(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs)
+        return _parts(infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs, env_restarts=self.replaced)
 
     def _obs_error(self, obs: Any, error: Exception) -> InvalidEnvOutput:
         layout = self.obs_layout
@@ -221,18 +234,9 @@ class EnvBlock:
         mode the new env is reset now; otherwise it resets at its next step (``next_step``) or
         when the caller resets it (``disabled``).
         """
-        self.env_restarts[slot] += 1
         row, index = self.row0 + slot, self.first_index + slot
         previous_obs = self.read_obs(row) if self.obs_layout.buffered else self.last_pickled_obs[slot]
-        try:
-            self.envs[slot].close()
-        except BaseException:
-            pass  # the env is already broken; its replacement matters, not its last words
-        self.envs[slot] = self._make_env(slot)
-        reason = (
-            f"env {index} raised {type(error).__name__}: {error}; "
-            f"replaced by a new env (restart {self.env_restarts[slot]} of {self.max_env_restarts})"
-        )
+        reason = self._rebuild(slot, error)
         obs = previous_obs
         if self.autoreset_mode == "same_step":
             final_obs[index] = previous_obs
@@ -245,6 +249,37 @@ class EnvBlock:
         else:
             self.needs_reset[slot] = self.autoreset_mode == "next_step"
         return obs, 0.0, False, True, {RESTART_INFO_KEY: reason}
+
+    def _reset_or_replace(self, slot: int) -> tuple[Any, dict]:
+        """The automatic reset of env ``slot`` after its episode ended. If the reset raises and the
+        env may be replaced, the new env's reset is returned instead, with the reason under
+        ``RESTART_INFO_KEY`` of its info: the episode that ended keeps its last step."""
+        try:
+            return checked_reset(self.envs[slot].reset())
+        except BaseException as error:
+            if self.env_restarts[slot] >= self.max_env_restarts:
+                raise
+            reason = self._rebuild(slot, error)
+        try:
+            obs, info = checked_reset(self.envs[slot].reset())
+        except BaseException as reset_error:
+            raise RemoteFailure(slot, "reset of a replaced env", reset_error) from reset_error
+        return obs, {**info, RESTART_INFO_KEY: reason}
+
+    def _rebuild(self, slot: int, error: BaseException) -> str:
+        """Replace env ``slot``, which raised ``error``, by a new one from its factory; returns why."""
+        self.env_restarts[slot] += 1
+        index = self.first_index + slot
+        try:
+            self.envs[slot].close()
+        except BaseException:
+            pass  # the env is already broken; its replacement matters, not its last words
+        self.envs[slot] = self._make_env(slot)
+        self.replaced.append(index)
+        return (
+            f"env {index} raised {type(error).__name__}: {error}; "
+            f"replaced by a new env (restart {self.env_restarts[slot]} of {self.max_env_restarts})"
+        )
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options."""
@@ -505,7 +540,12 @@ class Worker:
             except Exception as error:
                 raise RemoteFailure(slot, "unpickling the env factory", error) from error
         self.block = EnvBlock(
-            env_fns, request.first_index, request.autoreset_mode, request.max_env_restarts, request.restarted
+            env_fns,
+            request.first_index,
+            request.autoreset_mode,
+            request.max_env_restarts,
+            request.restarted,
+            request.env_restarts,
         )
         return self.block.describe()
 

@@ -84,6 +84,31 @@ class FailingEnv(gym.Wrapper):
         return self.env.step(action)
 
 
+class ResetFailingEnv(gym.Env):
+    """Episodes of 3 steps (the third terminates, reward 1 each step, observation [episode, step]);
+    ``reset`` raises on its ``fail_at``-th call of the env's lifetime."""
+
+    observation_space = spaces.Box(0.0, 1000.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.resets = 0
+        self.steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.resets += 1
+        if self.resets == self.fail_at:
+            raise RuntimeError(f"injected failure at reset {self.resets}")
+        self.steps = 0
+        return np.array([self.resets, 0], np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        return np.array([self.resets, self.steps], np.float32), 1.0, self.steps == 3, False, {}
+
+
 class SuicidalEnv(gym.Wrapper):
     """Kills its own process at step ``die_at`` (as a segfault in native env code would)."""
 

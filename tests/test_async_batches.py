@@ -341,6 +341,19 @@ def test_restarted_worker_ends_its_episodes_truncated():
         pool.close()
 
 
+def test_replaced_envs_are_counted():
+    env_fns = [functools.partial(gym.make, "CartPole-v1"), lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=3)]
+    with EnvPool(env_fns, num_workers=1, autoreset_mode="next_step", restart_failed_envs=True) as pool:
+        batches = pool.async_batches(2)
+        batches.reset(seeds=[0, 1])
+        for _ in range(3):
+            result = batches.recv()
+            batches.send(np.zeros(2, dtype=np.int64), result.env_ids)
+        result = batches.recv()
+        assert "injected failure at step 3" in result.infos[1]["clusterenv_restart"]
+        assert pool.restarts == {"envs": 1, "workers": 0} and pool.env_restarts == [0, 1]
+
+
 def test_batches_need_next_step_autoreset_and_buffered_spaces():
     with EnvPool.make("CartPole-v1", 2, num_workers=1) as pool:
         with pytest.raises(ValueError, match="autoreset_mode='next_step'"):

@@ -13,7 +13,7 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import ChattyEnv, FailingEnv, HangingEnv, SuicidalEnv
+from tests.envs import ChattyEnv, FailingEnv, HangingEnv, ResetFailingEnv, SuicidalEnv
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -77,9 +77,59 @@ def test_raising_env_is_replaced_next_step():
         assert not np.array_equal(result.obs[1], before[1])
 
 
+def test_a_failed_automatic_reset_keeps_the_episodes_last_step_same_step():
+    # The step that ended the episode succeeded; only the reset after it raised. The episode keeps
+    # its terminating step (reward, flag, final observation), and the new env starts the next one.
+    env_fns = [functools.partial(ResetFailingEnv, fail_at=2), functools.partial(ResetFailingEnv, fail_at=0)]
+    with EnvPool(env_fns, num_workers=1, restart_failed_envs=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(_zeros(pool))
+        pool.step(_zeros(pool))
+        result = pool.step(_zeros(pool))
+        assert (result.rewards[0], result.terminated[0], result.truncated[0]) == (1.0, True, False)
+        np.testing.assert_array_equal(result.final_observation(0), [1.0, 3.0])
+        np.testing.assert_array_equal(result.obs[0], [1.0, 0.0])  # the new env's first reset
+        assert "RuntimeError: injected failure at reset 2" in result.infos[0][RESTART_INFO_KEY]
+        assert pool.restarts == {"envs": 1, "workers": 0} and pool.env_restarts == [1, 0]
+
+
+def test_a_failed_automatic_reset_starts_no_phantom_episode_next_step():
+    env_fns = [functools.partial(ResetFailingEnv, fail_at=2), functools.partial(ResetFailingEnv, fail_at=0)]
+    with EnvPool(env_fns, num_workers=1, autoreset_mode="next_step", restart_failed_envs=True) as pool:
+        pool.reset(seeds=[0, 1])
+        for _ in range(3):
+            result = pool.step(_zeros(pool))
+        assert result.terminated[0] and result.rewards[0] == 1.0
+        result = pool.step(_zeros(pool))  # the reset step: the old env's reset raises here
+        assert (result.rewards[0], result.terminated[0], result.truncated[0]) == (0.0, False, False)
+        np.testing.assert_array_equal(result.obs[0], [1.0, 0.0])
+        assert "injected failure at reset 2" in result.infos[0][RESTART_INFO_KEY]
+        result = pool.step(_zeros(pool))
+        np.testing.assert_array_equal(result.obs[0], [1.0, 1.0])
+        assert pool.restarts == {"envs": 1, "workers": 0}
+
+
+def test_an_envs_restart_budget_outlives_its_worker():
+    # max_restarts bounds the replacements of the same env, whichever worker process ran it.
+    env_fns = [CARTPOLE, functools.partial(_with, FailingEnv, fail_at=2)]
+    options = {"restart_failed_envs": True, "restart_failed_workers": True, "max_restarts": 1}
+    with EnvPool(env_fns, num_workers=1, **options) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(_zeros(pool))
+        result = pool.step(_zeros(pool))  # env 1 raises: its one replacement
+        assert RESTART_INFO_KEY in result.infos[1]
+        os.kill(pool.worker_pids[0], signal.SIGKILL)
+        pool.step(_zeros(pool))  # the worker is replaced: not an env restart
+        assert pool.restarts == {"envs": 1, "workers": 1}
+        pool.step(_zeros(pool))
+        with pytest.raises(EnvError, match="injected failure at step 2"):  # no budget left for env 1
+            pool.step(_zeros(pool))
+
+
 def test_lost_worker_is_replaced_same_step():
     env_fns = [CARTPOLE, CARTPOLE, CARTPOLE, functools.partial(_with, SuicidalEnv, die_at=3)]
-    with EnvPool(env_fns, num_workers=2, restart_failed_workers=True, max_restarts=1) as pool:
+    options = {"restart_failed_workers": True, "restart_failed_envs": True, "max_restarts": 1}
+    with EnvPool(env_fns, num_workers=2, **options) as pool:
         pool.reset(seeds=[0, 1, 2, 3])
         pool.step(_zeros(pool))
         pool.step(_zeros(pool))
