@@ -582,8 +582,9 @@ class OffPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         segment = _Segment(rollout, env)
         self._last_obs = _copy(_index(rollout.obs, 0))
         for t in range(rollout.n_steps):
-            actions = np.array(rollout.actions[t])
-            buffer_actions = actions
+            buffer_actions = np.array(rollout.actions[t])  # what the replay buffer stores (scaled)
+            # What the envs got, as SB3's _sample_action gives it to callbacks.
+            actions = self.policy.unscale_action(buffer_actions) if isinstance(self.action_space, spaces.Box) else buffer_actions
             new_obs = segment.next_obs(t)
             rewards, dones, infos = segment.step(t)
 

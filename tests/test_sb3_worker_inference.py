@@ -95,6 +95,7 @@ class RecordingCallback(BaseCallback):
         self.steps.append(
             {
                 "rewards": np.array(loc["rewards"]),
+                "actions": np.array(loc["actions"]),  # what the envs got
                 "dones": np.array(loc["dones"]),
                 "infos": [dict(info) for info in loc["infos"]],
                 "new_obs": np.array(loc["new_obs"]),
@@ -195,6 +196,7 @@ def _assert_same_collection(ours, reference, float_tol: float = 1e-5) -> None:
     got_steps, want_steps = got_extra["callback"].steps, want_extra["callback"].steps
     assert len(got_steps) == len(want_steps)
     for t, (g, w) in enumerate(zip(got_steps, want_steps)):
+        assert_same(g["actions"], w["actions"], f"callback actions at step {t}")
         assert_same(g["dones"], w["dones"], f"dones at step {t}")
         assert_same(g["new_obs"], w["new_obs"], f"new_obs at step {t}")
         assert_same(g["rewards"], w["rewards"], f"callback rewards at step {t}")
