@@ -84,7 +84,9 @@ class DeployableAgent:
 
     - ``act(obs)``: ``get_action_and_value`` on a worker (sampled actions, their log-probabilities
       and values);
-    - ``action_dist(obs)``: ``("categorical", self.actor(obs))`` for discrete agents, or
+    - ``action_dist(obs)``: ``("categorical", self.actor(obs))`` for discrete agents; for
+      MultiDiscrete ones, ``self.actor(obs)`` split by ``self.nvec`` (CleanRL's
+      ``ppo_multidiscrete`` agent keeps its action space's ``nvec``) as ``"multicategorical"``; or
       ``("gaussian", self.actor_mean(obs), self.actor_logstd)`` for CleanRL's continuous agent.
       Override it for other heads.
     """
@@ -99,7 +101,12 @@ class DeployableAgent:
             mean = self.actor_mean(obs)
             return ("gaussian", mean, self.actor_logstd.expand_as(mean))
         if hasattr(self, "actor"):
-            return ("categorical", self.actor(obs))
+            logits = self.actor(obs)
+            if hasattr(self, "nvec"):
+                import torch
+
+                return ("multicategorical", list(torch.split(logits, [int(n) for n in self.nvec], dim=-1)))
+            return ("categorical", logits)
         raise NotImplementedError(
             f"{type(self).__name__} has neither `actor` (logits) nor `actor_mean`/`actor_logstd`: "
             "override action_dist(obs) to return (kind, *params) (see clusterenv_core.aaps)"
@@ -369,6 +376,26 @@ def _pool_of(envs: Any) -> EnvPool:
     return pool
 
 
+def _check_dist_fits_actions(policy: Any, action_space: Any) -> None:
+    """Refuse a :class:`DeployableAgent` that would take MultiDiscrete logits for one categorical:
+    AAPS would measure a distribution the agent does not sample from, and miss its changes."""
+    from gymnasium import spaces
+
+    if (
+        isinstance(policy, DeployableAgent)
+        and type(policy).action_dist is DeployableAgent.action_dist
+        and isinstance(action_space, spaces.MultiDiscrete)
+        and action_space.nvec.size > 1
+        and hasattr(policy, "actor")
+        and not hasattr(policy, "nvec")
+    ):
+        raise ValueError(
+            f"{type(policy).__name__} acts in {action_space}: give it self.nvec = "
+            "envs.single_action_space.nvec (as CleanRL's ppo_multidiscrete agent has) so that action_dist splits "
+            "its logits per sub-action, or override action_dist"
+        )
+
+
 class WorkerRollouts:
     """Segments collected by the workers with their copy of ``policy``, and when they get new weights.
 
@@ -410,6 +437,7 @@ class WorkerRollouts:
     ) -> None:
         self.pool = _pool_of(envs)
         self.num_steps = check_int("num_steps", num_steps, minimum=1)
+        _check_dist_fits_actions(policy, self.pool.action_space)
         self.policy = policy
         self.num_envs = self.pool.num_envs
         self.overlap = bool(overlap)

@@ -295,6 +295,60 @@ def test_rollouts_need_same_step_autoreset():
         WorkerRollouts(gym.vector.SyncVectorEnv([make_env]), GreedyAgent(), 4)
 
 
+class TwoKnobCartPole(gym.ActionWrapper):
+    """CartPole driven by a MultiDiscrete([2, 3]) action (its first entry pushes the cart)."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1", max_episode_steps=9))
+        self.action_space = gym.spaces.MultiDiscrete([2, 3])
+
+    def action(self, action):
+        return int(action[0])
+
+
+class MultiDiscreteAgent(DeployableAgent, torch.nn.Module):
+    """CleanRL's ppo_multidiscrete agent, small: one logits head split per sub-action."""
+
+    def __init__(self, with_nvec: bool) -> None:
+        super().__init__()
+        if with_nvec:
+            self.nvec = np.array([2, 3])
+        self.actor = torch.nn.Linear(4, 5)
+        self.critic = torch.nn.Linear(4, 1)
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        dists = [torch.distributions.Categorical(logits=part) for part in torch.split(self.actor(x), [2, 3], dim=1)]
+        if action is None:
+            action = torch.stack([dist.sample() for dist in dists], dim=1)
+        log_prob = torch.stack([dist.log_prob(part) for dist, part in zip(dists, action.T)]).sum(0)
+        entropy = torch.stack([dist.entropy() for dist in dists]).sum(0)
+        return action, log_prob, entropy, self.critic(x)
+
+
+def test_a_multidiscrete_agents_divergence_is_per_sub_action():
+    with ClusterVectorEnv([TwoKnobCartPole] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, num_workers=1) as envs:
+        with pytest.raises(ValueError, match="self.nvec"):
+            WorkerRollouts(envs, MultiDiscreteAgent(with_nvec=False), 4)
+        deployed = MultiDiscreteAgent(with_nvec=True)
+        rollouts = WorkerRollouts(envs, deployed, 4, seed=0)
+        rollout = rollouts.collect()
+        assert rollout.actions.shape == (4, 2, 2)
+    current = MultiDiscreteAgent(with_nvec=True)
+    current.load_state_dict(deployed.state_dict())
+    with torch.no_grad():
+        current.actor.bias[2:].add_(torch.tensor([3.0, 0.0, -3.0]))  # only the second sub-action changes
+    probe = np.random.default_rng(0).uniform(-1, 1, (32, 4)).astype(np.float32)
+    with torch.no_grad():
+        heads = [torch.split(agent.actor(torch.as_tensor(probe)), [2, 3], dim=1) for agent in (deployed, current)]
+        dists = [[torch.distributions.Categorical(logits=part) for part in parts] for parts in heads]
+        expected = sum(torch.distributions.kl_divergence(p, q) for p, q in zip(*dists)).mean().item()
+    assert deployed.action_dist(torch.as_tensor(probe))[0] == "multicategorical"
+    assert divergence(deployed, current, probe) == pytest.approx(expected, rel=1e-5)
+
+
 class ScaledActor(torch.nn.Module):
     """The parts CleanRL's SAC and TD3 actors share: a Box of [-2, 2] and [0, 1] (scale and bias buffers)."""
 
