@@ -504,4 +504,5 @@ class WorkerRollouts:
         """Wait for a segment started ahead (its steps are dropped), so the envs can be closed or reused."""
         if self._started:
             self._started = False
-            self.actors.rollout_wait()
+            if not self.pool.closed:  # closing the pool finished the segment already
+                self.actors.rollout_wait()

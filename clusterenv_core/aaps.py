@@ -220,14 +220,17 @@ class PolicySync:
 
     def after_update(self) -> bool:
         """Call after each learner update; publishes the weights if the mode says so. Returns whether it did."""
+        if self.mode == "aaps" and self.probe_obs is None:  # before counting an update it cannot judge
+            raise RuntimeError(
+                "no probe observations: AAPS compares the policies on recent observations; collect a segment "
+                "(or call observe() with observations) before the first update"
+            )
         stats = self.stats
         stats.updates += 1
         stats.updates_since_sync += 1
         if self.mode == "never":
             return False
         if self.mode == "aaps":
-            if self.probe_obs is None:
-                raise RuntimeError("no probe observations: call observe() with recent observations first")
             stats.last_divergence = divergence(self.deployed, self.policy, self.probe_obs)
             stale = self.max_staleness is not None and stats.updates_since_sync >= self.max_staleness
             if not (stats.last_divergence > self.threshold or stale):

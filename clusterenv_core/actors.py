@@ -38,7 +38,7 @@ class WorkerActors:
     """
 
     def __init__(self, pool: EnvPool, policy: Any, seed: int | None = None) -> None:
-        from clusterenv_core.inference import WeightsRegion, flatten_weights, weights_fields
+        from clusterenv_core.inference import WeightsRegion, flatten_weights, weight_tensors, weights_fields
 
         pool._check_usable()
         pool._check_not_stepping()
@@ -59,6 +59,7 @@ class WorkerActors:
         self.pool = pool
         transport = pool._transport
         flat = flatten_weights(policy)
+        self._weight_shapes = [tuple(tensor.shape) for tensor in weight_tensors(policy)]
         fields = weights_fields(flat.size)
         handle, memory = transport.share_region(fields_nbytes(fields, 1))
         self.weights = WeightsRegion(field_views(fields, 1, memory))
@@ -94,7 +95,7 @@ class WorkerActors:
         """Publish new weights (a module like the deployed one, or a flat float32 vector) to the
         workers; returns their version. Workers pick them up at their next step (local backend) or
         with their next rollout request (other backends)."""
-        from clusterenv_core.inference import flatten_weights
+        from clusterenv_core.inference import flatten_weights, weight_tensors
 
         if self.pool.closed:
             raise ClusterEnvError("the pool is closed")
@@ -102,6 +103,12 @@ class WorkerActors:
         if isinstance(policy_or_weights, np.ndarray):
             flat = np.asarray(policy_or_weights, dtype=np.float32).reshape(-1)
         else:
+            shapes = [tuple(tensor.shape) for tensor in weight_tensors(policy_or_weights)]
+            if shapes != self._weight_shapes:  # a vector of the same size would load into the wrong tensors
+                raise ValueError(
+                    f"the module's weights are shaped {shapes}, the deployed policy's {self._weight_shapes}: "
+                    "publish a module like the deployed one"
+                )
             flat = flatten_weights(policy_or_weights)
         if flat.size != self.weights.weights.size:
             raise ValueError(f"{flat.size} weights given, the deployed policy has {self.weights.weights.size}")

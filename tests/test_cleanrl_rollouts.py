@@ -266,6 +266,16 @@ def test_aaps_wiring_and_overlap_keep_segments_contiguous():
         assert third.versions[-1].tolist() == [1, 1, 1, 1]  # the pushed weights reach the workers
         rollouts.close()
         pool.reset()  # nothing pending after close
+        rollouts.collect_ppo(GAMMA)  # starts the next segment ahead
+    rollouts.close()  # after the pool: closing it ended that segment
+
+
+def test_an_update_before_any_segment_is_not_counted():
+    with EnvPool([make_env] * 2, num_workers=1) as pool:
+        rollouts = WorkerRollouts(pool, GreedyAgent(), 4, sync="aaps", seed=0)
+        with pytest.raises(RuntimeError, match="collect a segment"):
+            rollouts.after_update()
+        assert rollouts.summary()["updates"] == 0
 
 
 def test_q_network_acts_epsilon_greedy_with_context():

@@ -187,6 +187,11 @@ def test_published_weights_reach_workers_and_versions_are_recorded():
         assert set(np.unique(overlapped.versions)) <= {1, 2}
         assert overlapped.versions[-1].tolist() == [2, 2, 2, 2]
         assert (np.diff(overlapped.versions, axis=0) >= 0).all()
+        # Another module with as many weights (10), shaped otherwise: refused, nothing published.
+        other = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(1, 1))
+        with pytest.raises(ValueError, match="publish a module like the deployed one"):
+            actors.publish_weights(other)
+        assert actors.policy_version == 2
 
 
 def test_consecutive_segments_never_share_a_region():
