@@ -637,9 +637,10 @@ class DQN(OffPolicyWorkerInferenceMixin, sb3.DQN):
         return steps, {"epsilon": epsilon}
 
 
-def _noise_parameters(action_noise: Any, action_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(mean, sigma)`` of SB3 action noise that the workers can draw themselves: Gaussian
-    (``NormalActionNoise``, or SB3's ``VectorizedActionNoise`` of one, which is per env anyway)."""
+def _noise_parameters(action_noise: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(mean, sigma)`` of SB3 action noise that the workers can draw themselves, of the action
+    space's ``shape``: Gaussian (``NormalActionNoise``, or SB3's ``VectorizedActionNoise`` of one,
+    which is per env anyway)."""
     if action_noise is None:
         return None
     base = action_noise.base_noise if isinstance(action_noise, VectorizedActionNoise) else action_noise
@@ -648,7 +649,6 @@ def _noise_parameters(action_noise: Any, action_dim: int) -> tuple[np.ndarray, n
             f"{type(base).__name__} cannot run on the workers (only NormalActionNoise, a draw per env and step, "
             "which needs no state): use NormalActionNoise, or stable_baselines3's algorithm on the ClusterVecEnv"
         )
-    shape = (action_dim,)
     return np.broadcast_to(base._mu, shape).astype(np.float64), np.broadcast_to(base._sigma, shape).astype(np.float64)
 
 
@@ -661,7 +661,7 @@ class _ActorWorkerInferenceMixin(OffPolicyWorkerInferenceMixin):
 
     def _segment_request(self) -> tuple[int, dict]:
         steps = self._segment_steps()
-        noise = _noise_parameters(self.action_noise, int(np.prod(self.action_space.shape)))
+        noise = _noise_parameters(self.action_noise, self.action_space.shape)
         # SB3 samples uniformly before learning starts (decided here per segment, as DQN's rate).
         return steps, {"random": self.num_timesteps < self.learning_starts, "noise": noise}
 
@@ -696,5 +696,6 @@ class TD3(_ActorWorkerInferenceMixin, sb3.TD3):
     """
 
     def _make_deployable(self, acting: th.nn.Module) -> Any:
-        noise = _noise_parameters(self.action_noise, int(np.prod(self.action_space.shape)))
-        return TD3ActorDeployable(acting, None if noise is None else noise[1])
+        noise = _noise_parameters(self.action_noise, self.action_space.shape)
+        # AAPS compares the actor's flat outputs: sigma per output.
+        return TD3ActorDeployable(acting, None if noise is None else noise[1].reshape(-1))

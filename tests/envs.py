@@ -522,6 +522,24 @@ class ChattyEnv(gym.Wrapper):
         sys.stderr.flush()
 
 
+class MatrixActionEnv(gym.Env):
+    """Actions in a Box of shape (2, 2) with uneven bounds; the env checks the shape it gets."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Box(np.array([[-1, 0], [2, -3]], np.float32), np.array([[1, 4], [5, -1]], np.float32))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.steps = 0
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), {}
+
+    def step(self, action):
+        assert np.shape(action) == (2, 2), np.shape(action)
+        self.steps += 1
+        reward = -float(np.abs(action - self.action_space.low).sum())
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), reward, False, self.steps == 6, {}
+
+
 class ChildStartingEnv(gym.Wrapper):
     """CartPole that starts a helper process (a simulator server, say) and never ends it."""
 

@@ -96,6 +96,25 @@ def test_seeded_run_without_overlap_is_reproducible_and_only_the_actor_travels(n
         th.testing.assert_close(states[1][key], value, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_gaussian_noise_on_a_matrix_action_box_is_drawn_in_its_shape(name):
+    # SB3 takes NormalActionNoise of the action space's shape, whatever its rank.
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from clusterenv_sb3 import ClusterVecEnv
+    from tests.envs import MatrixActionEnv
+
+    noise = NormalActionNoise(np.zeros((2, 2)), 0.2 * np.ones((2, 2)))
+    env = make_vec_env(MatrixActionEnv, n_envs=2, seed=0, vec_env_cls=ClusterVecEnv, vec_env_kwargs={"num_workers": 1})
+    try:
+        model = ALGORITHMS[name][0]("MlpPolicy", env, action_noise=noise, learning_starts=6, train_freq=3, seed=0)
+        model.learn(30)
+        actions = model.replay_buffer.actions[: model.replay_buffer.pos]
+        assert actions.shape[1:] == (2, 4) and np.all(np.abs(actions) <= 1.0)
+    finally:
+        env.close()
+
+
 def _actor_pair(name: str):
     """Two copies of a fresh SB3 actor of ``name`` (Pendulum-v1), to change one of them."""
     deployed = ALGORITHMS[name][1]("MlpPolicy", "Pendulum-v1", seed=0, policy_kwargs={"net_arch": [16]}).actor
