@@ -250,10 +250,9 @@ class PolicySync:
     def workers_current(self) -> bool:
         """Whether the workers hold exactly the learner's weights (the last ones published are
         the current ones, bit for bit)."""
-        import torch
+        from clusterenv_core.inference import same_state
 
-        current, deployed = self.policy.state_dict(), self.deployed.state_dict()
-        return current.keys() == deployed.keys() and all(torch.equal(value, deployed[name]) for name, value in current.items())
+        return same_state(self.policy.state_dict(), self.deployed.state_dict())
 
     def summary(self) -> dict[str, float]:
         """Counters for logging (``aaps/...`` in SB3, TensorBoard scalars in CleanRL)."""

@@ -34,6 +34,13 @@ def weight_tensors(module: Any) -> list:
     return [t for t in module.state_dict(keep_vars=True).values() if t.dtype.is_floating_point]
 
 
+def same_state(state: dict, other: dict) -> bool:
+    """Whether two state dicts hold the same tensors, bit for bit."""
+    import torch
+
+    return state.keys() == other.keys() and all(torch.equal(value, other[name]) for name, value in state.items())
+
+
 def flatten_weights(module: Any) -> np.ndarray:
     """All weights of ``module`` as one float32 vector."""
     import torch

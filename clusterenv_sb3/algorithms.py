@@ -49,6 +49,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
 
 from clusterenv_core.aaps import PolicySync
 from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.inference import same_state
 from clusterenv_core.learner_threads import spare_cores
 from clusterenv_core.rollout import Rollout
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
@@ -84,12 +85,6 @@ def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
         f"clusterenv_sb3.{algorithm} runs the policy on ClusterEnv workers and needs a clusterenv_sb3.ClusterVecEnv "
         f"as env, got {type(env).__name__}; use stable_baselines3.{algorithm} for other environments"
     )
-
-
-def _same_weights(module: th.nn.Module, weights: dict[str, th.Tensor]) -> bool:
-    """Whether ``module`` holds exactly ``weights`` (a copy of its state dict)."""
-    state = module.state_dict()
-    return state.keys() == weights.keys() and all(th.equal(value, weights[name]) for name, value in state.items())
 
 
 class _LearnerThreads:
@@ -305,7 +300,7 @@ class WorkerInferenceMixin:
             self._policy_sync = PolicySync(actors, learner, **self._sync_config)
         else:
             self._apply_sync_config()
-            if self._weights_after_learn is not None and not _same_weights(acting, self._weights_after_learn):
+            if self._weights_after_learn is not None and not same_state(acting.state_dict(), self._weights_after_learn):
                 sync.push()
 
     def _acting_policy(self) -> th.nn.Module:
