@@ -136,6 +136,8 @@ class AsyncBatches:
         mask = np.zeros(pool.num_envs, dtype=bool)
         mask[env_ids] = True
         workers = self._workers_of(env_ids)
+        if pool._restarter is not None:
+            pool._restarter.note_reset(mask)
         for worker in workers:
             block = pool.blocks[worker]
             size = len(block)
@@ -199,7 +201,7 @@ class AsyncBatches:
         block = pool.blocks[worker]
         self._has_action[block.start : block.stop] = False
         if pool._restarter is not None:
-            pool._restarter.remember_obs(block)
+            pool._restarter.remember_step_start(block)
         try:
             pool._transport.send_step(worker)
         except (WorkerLostError, WorkerTimeoutError) as error:

@@ -281,7 +281,7 @@ class EnvPool(DeprecatedPoolMethods):
                 self._send(worker, protocol.Actions(actions[block.start : block.stop]))
             self._gather(range(self.num_workers), "sending actions")
         if self._restarter is not None:
-            self._restarter.remember_obs()
+            self._restarter.remember_step_start()
         transport = self._transport
         for worker in range(self.num_workers):
             try:
@@ -362,6 +362,8 @@ class EnvPool(DeprecatedPoolMethods):
             if mask.shape != (self.num_envs,) or mask.dtype != np.bool_:
                 raise ValueError(f"mask must be a bool array of shape ({self.num_envs},), got {mask.dtype} {mask.shape}")
         self._drain()
+        if self._restarter is not None:
+            self._restarter.note_reset(mask)
         targets = []
         for worker, block in enumerate(self.blocks):
             block_mask = None if mask is None else mask[block.start : block.stop].tolist()

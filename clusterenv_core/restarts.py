@@ -5,7 +5,8 @@ that rebuilds its block of envs; the interrupted episodes end truncated, with th
 observation from before the step, and the reason under the info key
 :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`. Only backends that can replace a worker do
 (the local one; MPI is fail-stop). The pool holds one :class:`WorkerRestarts` when restarts are on
-and consults it only when a worker is lost, plus one copy of the observations per step.
+and consults it only when a worker is lost, plus one copy per step of the observations (and, in
+``next_step`` mode, of which envs the step resets).
 """
 
 from __future__ import annotations
@@ -37,20 +38,36 @@ class WorkerRestarts:
         layout = pool.buffers.obs_layout
         # Observations before the current step, to end the episodes of a replaced worker with.
         self.obs_before_step: list = [np.empty_like(array) for array in pool.buffers.obs] if layout.buffered else []
+        # next_step mode: the envs whose current step is a reset (their episode ended at their last
+        # step), which a replacement resets instead of ending a second time; and those reset by the
+        # learner since their last step, whose flags in the buffers are then stale.
+        self.reset_step_due = np.zeros(pool.num_envs, dtype=bool)
+        self.reset_since_step = np.ones(pool.num_envs, dtype=bool)
 
     def may_replace(self, worker: int) -> bool:
         return self.counts[worker] < self.pool.max_restarts
 
-    def remember_obs(self, block: range | None = None) -> None:
-        """Keep the observations the coming step starts from (of one worker's ``block`` of envs
-        when only that one steps: asynchronous batches)."""
+    def remember_step_start(self, block: range | None = None) -> None:
+        """Keep what a replacement needs of the state the coming step starts from (of one worker's
+        ``block`` of envs when only that one steps: asynchronous batches): the observations and,
+        in ``next_step`` mode, which envs the step resets."""
         pool = self.pool
-        if pool.buffers.obs_layout.buffered:
-            rows = slice(None) if block is None else slice(block.start, block.stop)
-            for kept, current in zip(self.obs_before_step, pool.buffers.obs):
+        buffers = pool.buffers
+        rows = slice(None) if block is None else slice(block.start, block.stop)
+        if buffers.obs_layout.buffered:
+            for kept, current in zip(self.obs_before_step, buffers.obs):
                 np.copyto(kept[rows], current[rows])
         else:
             self.obs_before_step = list(pool._obs)
+        if pool.autoreset_mode == "next_step":
+            due = self.reset_step_due[rows]
+            np.logical_or(buffers.terminated[rows], buffers.truncated[rows], out=due)
+            due &= ~self.reset_since_step[rows]
+            self.reset_since_step[rows] = False
+
+    def note_reset(self, mask: np.ndarray | None = None) -> None:
+        """The learner reset the envs of ``mask`` (all when ``None``): their next step is no reset."""
+        self.reset_since_step[slice(None) if mask is None else mask] = True
 
     def replace_lost(self) -> dict[int, dict]:
         """Replace every worker lost in this step; returns each one's step result."""
@@ -64,7 +81,9 @@ class WorkerRestarts:
 
         Returns the step result of the block. The episodes' last observations are those from
         before the step. In ``same_step`` mode the new envs are reset now (unseeded); in
-        ``next_step`` mode they reset at their next step; in ``disabled`` mode the caller resets them.
+        ``next_step`` mode they reset at their next step, except those whose step was the reset
+        after an episode end, which reset now and return that step; in ``disabled`` mode the caller
+        resets them.
         """
         pool = self.pool
         try:
@@ -96,7 +115,9 @@ class WorkerRestarts:
         else:
             previous = {i: self.obs_before_step[i] for i in block}
         reason = f"worker {worker} was replaced (restart {self.counts[worker]} of {pool.max_restarts}) after: {error}"
-        result: dict[str, dict] = {"infos": {i: {RESTART_INFO_KEY: reason} for i in block}}
+        infos = {i: {RESTART_INFO_KEY: reason} for i in block}
+        result: dict[str, dict] = {"infos": infos}
+        starting = np.zeros(len(block), dtype=bool)  # envs whose step was a reset: they start an episode
         if pool.autoreset_mode == "same_step":
             result["final_obs"] = previous
             pool._send(worker, protocol.Reset([None] * len(block), [None] * len(block), None))
@@ -104,12 +125,25 @@ class WorkerRestarts:
             result["reset_infos"] = reset.get("infos", {})
             if "obs" in reset:
                 result["obs"] = reset["obs"]
-        elif layout.buffered:
-            for kept, current in zip(self.obs_before_step, pool.buffers.obs):
-                current[rows] = kept[rows]
         else:
-            result["obs"] = previous
+            if layout.buffered:
+                for kept, current in zip(self.obs_before_step, pool.buffers.obs):
+                    current[rows] = kept[rows]
+            else:
+                result["obs"] = previous
+            if pool.autoreset_mode == "next_step":
+                starting = self.reset_step_due[rows].copy()
+            if starting.any():
+                # Their episodes ended at the last step, which the user has seen: ending them again
+                # would add an episode of no steps. They take the reset step they were due.
+                mask = starting.tolist()
+                pool._send(worker, protocol.Reset([None] * len(block), [None] * len(block), mask))
+                reset = pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}
+                for index, info in reset.get("infos", {}).items():
+                    infos[index] = {**info, RESTART_INFO_KEY: reason}
+                if "obs" in reset:  # spaces without buffers
+                    result["obs"].update(reset["obs"])
         pool.buffers.rewards[rows] = 0.0
         pool.buffers.terminated[rows] = False
-        pool.buffers.truncated[rows] = True
+        pool.buffers.truncated[rows] = ~starting
         return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import signal
 import threading
 import time
 import warnings
@@ -86,13 +87,15 @@ class FailingEnv(gym.Wrapper):
 
 class ResetFailingEnv(gym.Env):
     """Episodes of 3 steps (the third terminates, reward 1 each step, observation [episode, step]);
-    ``reset`` raises on its ``fail_at``-th call of the env's lifetime."""
+    ``reset`` raises on its ``fail_at``-th call of the env's lifetime, or with ``kill=True`` kills
+    its process then (as a segfault in native code would)."""
 
     observation_space = spaces.Box(0.0, 1000.0, (2,), np.float32)
     action_space = spaces.Discrete(2)
 
-    def __init__(self, fail_at: int) -> None:
+    def __init__(self, fail_at: int, kill: bool = False) -> None:
         self.fail_at = fail_at
+        self.kill = kill
         self.resets = 0
         self.steps = 0
 
@@ -100,6 +103,8 @@ class ResetFailingEnv(gym.Env):
         super().reset(seed=seed)
         self.resets += 1
         if self.resets == self.fail_at:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure at reset {self.resets}")
         self.steps = 0
         return np.array([self.resets, 0], np.float32), {}

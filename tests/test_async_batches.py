@@ -18,7 +18,7 @@ import pytest
 from clusterenv_cleanrl import ClusterEnvPool
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
 from tests.compare import assert_same
-from tests.envs import FailingEnv, HangingEnv, JitteryEnv, SlowCartPole, SuicidalEnv, make_dict_env
+from tests.envs import FailingEnv, HangingEnv, JitteryEnv, ResetFailingEnv, SlowCartPole, SuicidalEnv, make_dict_env
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
@@ -339,6 +339,28 @@ def test_restarted_worker_ends_its_episodes_truncated():
         assert restarted.truncated.all() and not restarted.terminated.any()
     finally:
         pool.close()
+
+
+def test_a_worker_lost_in_a_reset_step_resets_its_ended_envs():
+    # Envs 0 and 1 end their episodes at step 3; worker 0 dies in the reset of step 4. The
+    # replacement gives them that reset step (no second end of the episodes that ended).
+    env_fns = [functools.partial(ResetFailingEnv, fail_at=2, kill=True)] + [functools.partial(ResetFailingEnv, fail_at=0)] * 3
+    with EnvPool(env_fns, num_workers=2, autoreset_mode="next_step", restart_failed_workers=True) as pool:
+        batches = pool.async_batches(2)
+        batches.reset(seeds=[0, 1, 2, 3])
+        steps = -1  # the first recv returns the reset
+        while True:
+            result = batches.recv()
+            if 0 in result.env_ids:
+                steps += 1
+                if steps == 4:
+                    break
+                if steps == 3:
+                    assert result.terminated.all()
+            batches.send(np.zeros(2, dtype=np.int64), result.env_ids)
+        assert pool.restarts["workers"] == 1 and "clusterenv_restart" in result.infos[0]
+        assert not result.truncated.any() and not result.terminated.any() and not result.rewards.any()
+        np.testing.assert_array_equal(result.obs, [[1.0, 0.0], [1.0, 0.0]])
 
 
 def test_replaced_envs_are_counted():

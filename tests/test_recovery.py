@@ -109,6 +109,48 @@ def test_a_failed_automatic_reset_starts_no_phantom_episode_next_step():
         assert pool.restarts == {"envs": 1, "workers": 0}
 
 
+def test_a_worker_lost_in_a_reset_step_starts_no_phantom_episode_next_step():
+    # Env 0's episode ends at step 3; its worker dies in the reset of step 4. Env 0 takes that reset
+    # step on the replacement; env 1, mid-episode in the same block, ends truncated.
+    env_fns = [functools.partial(ResetFailingEnv, fail_at=2, kill=True)] + [functools.partial(ResetFailingEnv, fail_at=0)] * 2
+    with EnvPool(env_fns, num_workers=2, autoreset_mode="next_step", restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1, 2])
+        pool.step(_zeros(pool))
+        pool.reset(mask=np.array([False, True, False]))  # env 1's episodes run a step behind
+        for _ in range(2):
+            result = pool.step(_zeros(pool))
+        assert result.terminated.tolist() == [True, False, True]
+        before = _obs_copy(pool)
+        result = pool.step(_zeros(pool))
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        assert (result.rewards[0], result.terminated[0], result.truncated[0]) == (0.0, False, False)
+        np.testing.assert_array_equal(result.obs[0], [1.0, 0.0])  # the new env's first reset
+        assert (result.rewards[1], result.terminated[1], result.truncated[1]) == (0.0, False, True)
+        np.testing.assert_array_equal(result.obs[1], before[1])
+        for index in (0, 1):
+            assert "worker 0 was replaced" in result.infos[index][RESTART_INFO_KEY]
+        assert not result.truncated[2] and RESTART_INFO_KEY not in result.infos.get(2, {})
+        result = pool.step(_zeros(pool))
+        np.testing.assert_array_equal(result.obs[0], [1.0, 1.0])  # a step, not a second reset
+        assert (result.rewards[0], result.rewards[1], result.truncated[1]) == (1.0, 0.0, False)
+
+
+def test_a_replacement_ends_episodes_the_learner_reset_next_step():
+    # Env 0's episode ended, then the learner reset every env: the step in which the worker dies is
+    # a step of env 0's new episode, which ends truncated, not a reset step.
+    env_fns = [functools.partial(ResetFailingEnv, fail_at=0), lambda: SuicidalEnv(ResetFailingEnv(fail_at=0), die_at=4)]
+    with EnvPool(env_fns, num_workers=1, autoreset_mode="next_step", restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        for _ in range(3):
+            result = pool.step(_zeros(pool))
+        assert result.terminated[0]
+        pool.reset(seeds=[0, 1])
+        result = pool.step(_zeros(pool))
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        assert result.truncated.tolist() == [True, True]
+        np.testing.assert_array_equal(result.obs[0], [2.0, 0.0])  # its last observation, from the reset
+
+
 def test_an_envs_restart_budget_outlives_its_worker():
     # max_restarts bounds the replacements of the same env, whichever worker process ran it.
     env_fns = [CARTPOLE, functools.partial(_with, FailingEnv, fail_at=2)]
