@@ -281,10 +281,8 @@ class WorkerInferenceMixin:
         return result
 
     def _ensure_deployed(self) -> None:
-        """Deploy the policy on the env's pool once. Later learn() calls keep the workers' weights as
-        the sync left them, unless the weights changed since the last learn() ended (``load``,
-        ``set_parameters``): then the workers act with the new ones from the first segment, as SB3's
-        algorithm would."""
+        """Deploy the policy on the env's pool once, and again when another policy replaced it there.
+        Later learn() calls keep the workers' weights as the sync left them (see :meth:`_rollout`)."""
         pool = self.env.pool
         sync = self._policy_sync
         acting = self._acting_policy()
@@ -300,8 +298,6 @@ class WorkerInferenceMixin:
             self._policy_sync = PolicySync(actors, learner, **self._sync_config)
         else:
             self._apply_sync_config()
-            if self._weights_after_learn is not None and not same_state(acting.state_dict(), self._weights_after_learn):
-                sync.push()
 
     def _acting_policy(self) -> th.nn.Module:
         return self.policy
@@ -345,10 +341,8 @@ class WorkerInferenceMixin:
         sync = self._policy_sync
         n_steps, context = self._segment_request()
         if self._learn_started:
-            # The mode is known now (callbacks configured it): in "always" the first segment acts
-            # with the current weights too, also those a "never" or "aaps" learn() left unpublished.
             self._learn_started = False
-            if sync.mode == "always" and not sync.workers_current():
+            if self._first_segment_needs_push(sync):
                 sync.push()
         if self._started is None:
             sync.actors.rollout_async(n_steps, context)
@@ -362,6 +356,19 @@ class WorkerInferenceMixin:
         if sync.mode == "aaps":
             sync.observe(rollout.obs)
         return rollout
+
+    def _first_segment_needs_push(self, sync: PolicySync) -> bool:
+        """Whether a learn()'s first segment needs the current weights pushed. Decided here, once the
+        callbacks have set the mode: weights changed since the last learn() ended (``load``,
+        ``set_parameters``, a callback's ``on_training_start``) are acted with in any mode, as SB3's
+        algorithm would; in ``always`` mode also those a ``never`` or ``aaps`` learn() left unpublished."""
+        if sync.workers_current():
+            return False
+        if sync.mode == "always":
+            return True
+        return self._weights_after_learn is not None and not same_state(
+            self._acting_policy().state_dict(), self._weights_after_learn
+        )
 
     def _start_next_segment(self, uncounted: int = 0) -> None:
         """With ``overlap_collection``, start the next segment now, so it is collected while training.

@@ -633,6 +633,30 @@ def test_weights_set_between_learn_calls_reach_the_workers_before_the_first_segm
         env.close()
 
 
+class SetsWeightsAtTrainingStart(BaseCallback):
+    """Loads weights that always pick action 0 when training starts (as a warm-start callback would)."""
+
+    def _on_training_start(self) -> None:
+        weights = self.model.get_parameters()
+        weights["policy"]["action_net.weight"] = th.zeros_like(weights["policy"]["action_net.weight"])
+        weights["policy"]["action_net.bias"] = th.tensor([20.0, -20.0])
+        self.model.set_parameters(weights)
+
+    def _on_step(self) -> bool:
+        return True
+
+
+def test_weights_a_callback_sets_at_training_start_reach_the_workers_in_any_mode():
+    env = _cluster_env("CartPole-v1", n_envs=2)
+    try:
+        model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=16, batch_size=32, n_epochs=1, policy_kwargs={"net_arch": [8]})
+        model.learn(32, callback=AAPSCallback(mode="never"))
+        model.learn(32, callback=[AAPSCallback(mode="never"), SetsWeightsAtTrainingStart()])
+        assert (model.rollout_buffer.actions == 0).all()
+    finally:
+        env.close()
+
+
 class BehaviourWeights(BaseCallback):
     """Keeps each segment's behaviour weights (a local of collect_rollouts)."""
 
