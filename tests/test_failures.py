@@ -26,6 +26,7 @@ from tests.envs import (
     FailingEnv,
     HangingEnv,
     LockHoldingEnv,
+    SlowCartPole,
     SuicidalEnv,
     UnprintableFailureEnv,
 )
@@ -339,6 +340,19 @@ def test_stuck_env_times_out_and_close_kills_it(no_leaks):
     assert time.monotonic() - started < 5
 
 
+def test_a_step_waits_one_timeout_for_all_workers(no_leaks):
+    # The workers step at once, so each has the timeout from the step's start, however late the
+    # learner reads its reply: not one timeout after the reply read before it.
+    env_fns = [functools.partial(_wrapped, HangingEnv, hang_at=1), functools.partial(SlowCartPole, 1.8)]
+    pool = EnvPool(env_fns, num_workers=2, timeout=2.0)
+    pool.reset()
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"worker 0 \(pid \d+, env 0\) did not answer within 2 s"):
+        _step_zeros(pool)
+    assert 2.0 <= time.monotonic() - started < 3.0
+    pool.close()
+
+
 def _ended(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by init
@@ -547,8 +561,6 @@ def test_step_after_close_fails_clearly(no_leaks):
 
 
 def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
-    from tests.envs import SlowCartPole
-
     # Steps of 1.5 s, interrupted after 0.1 s: the timer thread has ample slack on a loaded machine.
     pool = EnvPool([functools.partial(SlowCartPole, seconds=1.5)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])

@@ -72,7 +72,13 @@ class Transport(ABC):
 
     @abstractmethod
     def recv(self, worker: int, timeout: float) -> Any:
-        """Receive the next reply of one worker."""
+        """Receive the next reply of one worker.
+
+        Every receive raises :class:`~clusterenv_core.errors.WorkerTimeoutError` when the worker sent
+        nothing for ``timeout`` seconds since the last message sent to or received from it: workers
+        serving requests at once have that long each, however late their replies are read, and a
+        reply that came is read however late.
+        """
 
     def recv_rows(self, worker: int, timeout: float) -> None:
         """Receive the result rows that follow a reply (see :mod:`clusterenv_core.protocol`); afterwards

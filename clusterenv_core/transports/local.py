@@ -74,6 +74,7 @@ class _MessageSocket:
         self.sock = sock
         self.receiver = receiver
         self.spin = spin
+        self.last_contact = time.monotonic()  # of the last message sent or received: timeouts count from it
         self._buffer = bytearray(1 << 16)
         self._start = 0  # buffered bytes not yet returned: self._buffer[self._start : self._end]
         self._end = 0
@@ -82,19 +83,21 @@ class _MessageSocket:
 
     def send_frame(self, frame: bytes) -> None:
         self.sock.sendall(frame)
+        self.last_contact = time.monotonic()
 
     def recv(self, timeout: float | None = None, still_alive=None) -> Any:
-        """The next message; ``EOFError`` if the peer closed. With ``timeout``, ``TimeoutError`` when it
-        expires; ``still_alive()`` is consulted while waiting and may raise."""
+        """The next message; ``EOFError`` if the peer closed. With ``timeout``, ``TimeoutError`` when
+        nothing came for ``timeout`` seconds since the last message sent or received: a peer serving
+        several requests at once (a pool's workers stepping together) has that long for each, however
+        late its reply is read. ``still_alive()`` is consulted while waiting and may raise."""
         message = self._take()
-        if message is not None:
-            return message[0]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._read(deadline, still_alive)
-            message = self._take()
-            if message is not None:
-                return message[0]
+        if message is None:
+            deadline = None if timeout is None else self.last_contact + timeout
+            while message is None:
+                self._read(deadline, still_alive)
+                message = self._take()
+        self.last_contact = time.monotonic()
+        return message[0]
 
     def _read(self, deadline: float | None, still_alive) -> None:
         """Wait for bytes (until ``deadline``, if any) and append what arrived to the buffer."""
@@ -163,10 +166,11 @@ class _MessageSocket:
     def _wait_readable(self, deadline: float, still_alive) -> None:
         while True:
             remaining = deadline - time.monotonic()
+            # Polled at least once, also past the deadline: bytes that came in time are read.
+            if self._poller.poll(max(min(remaining, _LIVENESS_INTERVAL), 0.0) * 1000.0):
+                return
             if remaining <= 0:
                 raise TimeoutError
-            if self._poller.poll(min(remaining, _LIVENESS_INTERVAL) * 1000.0):
-                return
             if still_alive is not None:
                 still_alive()
 

@@ -233,6 +233,8 @@ class MPITransport(Transport):
         self._sends = [[] for _ in range(count)]
         self._result_requests = [None] * count
         self._action_requests = [None] * count
+        # Of the last message sent to or received from each worker: its timeouts count from there.
+        self._last_contact = [time.monotonic()] * count
         for worker, rank in enumerate(ranks):
             probe = Probe(MPI, self.comm, rank, TAG_HELLO)
             if not poll(probe, timeout, self.spin, self.max_sleep, self._check_manager, self.liveness_interval):
@@ -318,6 +320,7 @@ class MPITransport(Transport):
         if pending:
             pending[:] = [(request, buffer) for request, buffer in pending if not request.Test()]
         pending.append((self.comm.Isend(data, dest=self.ranks[worker], tag=TAG_REQUEST), data))
+        self._last_contact[worker] = time.monotonic()
         bell = self._bells[worker]
         if bell is not None:
             bell.ring()
@@ -353,16 +356,19 @@ class MPITransport(Transport):
         return loads(self._receive_bytes(probe), "the learner")
 
     def _wait(self, worker: int, ready, timeout: float, bell: bool = True) -> None:
-        """Wait for ``ready()`` (a receive the worker rings for, unless ``bell`` is false)."""
+        """Wait for ``ready()`` (a receive the worker rings for, unless ``bell`` is false) until
+        ``timeout`` seconds after the last message sent to or received from the worker: workers
+        serving requests at once have that long each, however late their replies are read."""
         if ready():
             return
+        timeout_left = max(self._last_contact[worker] + timeout - time.monotonic(), 0.0)
         check = functools.partial(self._check_alive, worker)
         doorbell = self._bells[worker] if bell else None
         try:
             if doorbell is not None:
-                ok = doorbell.wait(ready, timeout, self.max_sleep, check, self.liveness_interval)
+                ok = doorbell.wait(ready, timeout_left, self.max_sleep, check, self.liveness_interval)
             else:
-                ok = poll(ready, timeout, self.spin, self.max_sleep, check, self.liveness_interval)
+                ok = poll(ready, timeout_left, self.spin, self.max_sleep, check, self.liveness_interval)
         except PeerGone:
             self._check_alive(worker)  # names the cause when it can
             raise self._dead(worker) from None
@@ -371,6 +377,7 @@ class MPITransport(Transport):
             raise WorkerTimeoutError(f"worker {worker} ({self._describe(worker)}) did not answer within {timeout:g} s")
 
     def _received(self, worker: int) -> None:
+        self._last_contact[worker] = time.monotonic()
         bell = self._bells[worker]
         if bell is not None:
             bell.received()
@@ -456,6 +463,7 @@ class MPITransport(Transport):
         # The receive goes first, so the result rows land directly in the buffers.
         self._result_requests[worker] = comm.Irecv(self._result_messages[worker], source=rank, tag=TAG_RESULT)
         self._action_requests[worker] = comm.Isend(self._action_messages[worker], dest=rank, tag=TAG_STEP)
+        self._last_contact[worker] = time.monotonic()
         bell = self._bells[worker]
         if bell is not None:
             bell.ring()
@@ -466,6 +474,7 @@ class MPITransport(Transport):
         if request is None:
             raise ClusterEnvError(f"recv_step without send_step for worker {worker}")
         self._wait(worker, request.Test, timeout)
+        self._last_contact[worker] = time.monotonic()
         self._result_requests[worker] = None
         self._wait(worker, self._action_requests[worker].Test, timeout, bell=False)  # done: the worker answered
         self._action_requests[worker] = None
@@ -507,6 +516,7 @@ class MPITransport(Transport):
         for array in arrays:
             data = np.ascontiguousarray(array)
             request = self.comm.Isend(data, dest=rank, tag=TAG_ARRAYS)
+            self._last_contact[worker] = time.monotonic()
             bell = self._bells[worker]
             if bell is not None:
                 bell.ring()
