@@ -508,20 +508,23 @@ class EnvPool(DeprecatedPoolMethods):
         if values is not None and len(values) != len(indices):
             raise ValueError(f"{what}: {len(values)} values for {len(indices)} envs")
         self._drain()
+        # Positions in indices, by worker: an env listed twice is asked twice, in order, as
+        # DummyVecEnv's loop over the indices asks it.
         by_worker: dict[int, list[int]] = {}
-        for index in indices:
-            by_worker.setdefault(int(self.worker_of[index]), []).append(index)
-        by_index = dict(zip(indices, values)) if values is not None else {}
-        for worker, worker_indices in by_worker.items():
+        for position, index in enumerate(indices):
+            by_worker.setdefault(int(self.worker_of[index]), []).append(position)
+        for worker, positions in by_worker.items():
             start = self.blocks[worker].start
-            slots = [index - start for index in worker_indices]
-            self._send(worker, make_request(slots, [by_index.get(index) for index in worker_indices]))
+            slots = [indices[position] - start for position in positions]
+            worker_values = [None if values is None else values[position] for position in positions]
+            self._send(worker, make_request(slots, worker_values))
         results_by_worker = self._gather(list(by_worker), what)
-        results: dict[int, Any] = {}
-        for worker, worker_indices in by_worker.items():
+        results: list[Any] = [None] * len(indices)
+        for worker, positions in by_worker.items():
             if results_by_worker[worker] is not None:
-                results.update(zip(worker_indices, results_by_worker[worker]))
-        return [results.get(index) for index in indices]
+                for position, result in zip(positions, results_by_worker[worker]):
+                    results[position] = result
+        return results
 
     # -- messaging (also used by WorkerActors and WorkerRestarts) ----------------------------------
 

@@ -114,6 +114,18 @@ class ResetFailingEnv(gym.Env):
         return np.array([self.resets, self.steps], np.float32), 1.0, self.steps == 3, False, {}
 
 
+class CallCounter(gym.Wrapper):
+    """CartPole with a method that counts its calls: ``bump(k)`` adds ``k``, returns the count."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.calls = 0
+
+    def bump(self, k: int = 1) -> int:
+        self.calls += k
+        return self.calls
+
+
 class SuicidalEnv(gym.Wrapper):
     """Kills its own process at step ``die_at`` (as a segfault in native env code would)."""
 

@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMoni
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
-from tests.envs import InPlaceStateEnv, make_dict_env  # noqa: E402
+from tests.envs import CallCounter, InPlaceStateEnv, make_dict_env  # noqa: E402
 
 STEPS = 2000
 
@@ -116,6 +116,21 @@ def test_vec_normalize_frame_stack_monitor_match():
         return VecNormalize(VecFrameStack(venv, n_stack=3))
 
     _assert_same_run(build(ClusterVecEnv), build(DummyVecEnv), steps=500, num_envs=6)
+
+
+def test_methods_and_attributes_of_an_env_listed_twice():
+    # Uneven blocks (7 envs on 3 workers); an env listed twice is called twice, each result in its place.
+    env_fns = [lambda: CallCounter(gym.make("CartPole-v1"))] * 7
+    expected, actual = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=3)
+    try:
+        for indices in ([3, 3, 0, 3], [6, 0, 6], [5, 5]):
+            assert actual.env_method("bump", 2, indices=indices) == expected.env_method("bump", 2, indices=indices)
+        actual.set_attr("calls", 40, indices=[1, 1, 4])
+        expected.set_attr("calls", 40, indices=[1, 1, 4])
+        assert actual.get_attr("calls", indices=[4, 1, 4]) == expected.get_attr("calls", indices=[4, 1, 4])
+    finally:
+        expected.close()
+        actual.close()
 
 
 def test_attribute_access_and_methods():
