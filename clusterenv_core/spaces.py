@@ -12,10 +12,11 @@ for a ``Dict`` space and a ``tuple`` for a ``Tuple`` space.
 
 from __future__ import annotations
 
+
 import functools
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -59,16 +60,20 @@ class SpaceLayout:
         # The tree mirrors the space: a field index at a leaf, ("dict", keys, children) or ("tuple", children).
         self._tree = self._build(space, prefix)
         self.buffered = self._tree is not None
+        if len({field.name for field in self.fields}) < len(self.fields):  # keys of one repr: numbered apart
+            self.fields = [replace(field, name=f"{field.name}#{i}") for i, field in enumerate(self.fields)]
 
     def _build(self, space: spaces.Space, name: str) -> Any:
         if isinstance(space, LEAF_SPACES):
             self.fields.append(Field(name, _leaf_shape(space), np.dtype(space.dtype)))
             return len(self.fields) - 1
+        # Names are paths as the value is indexed (obs['a']['b'], obs['a.b'], obs[0]): distinct for
+        # distinct leaves, as each names its buffer.
         if isinstance(space, spaces.Dict):
-            children = [self._build(sub, f"{name}.{key}") for key, sub in space.spaces.items()]
+            children = [self._build(sub, f"{name}[{key!r}]") for key, sub in space.spaces.items()]
             return None if any(c is None for c in children) else ("dict", list(space.spaces), children)
         if isinstance(space, spaces.Tuple):
-            children = [self._build(sub, f"{name}.{i}") for i, sub in enumerate(space.spaces)]
+            children = [self._build(sub, f"{name}[{i}]") for i, sub in enumerate(space.spaces)]
             return None if any(c is None for c in children) else ("tuple", children)
         return None
 
@@ -180,9 +185,10 @@ class SpaceLayout:
     def _conforms(self, node: Any, value: Any) -> bool:
         if isinstance(node, int):
             field = self.fields[node]
+            # Exact types: a subclass (a masked array, say) would read back as the plain type.
             if field.shape == ():
-                return isinstance(value, np.generic) and value.dtype == field.dtype
-            return isinstance(value, np.ndarray) and value.dtype == field.dtype and value.shape == field.shape
+                return type(value) is field.dtype.type
+            return type(value) is np.ndarray and value.dtype == field.dtype and value.shape == field.shape
         if node[0] == "dict":
             # A plain dict in the space's key order reads back identical; an OrderedDict or another
             # key order would not.

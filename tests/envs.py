@@ -210,6 +210,39 @@ class JitteryEnv(gym.Wrapper):
         return self.env.step(action)
 
 
+class SameReprKey:
+    """A Dict space key whose repr is that of every other such key (they differ by ``value``)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "key"
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SameReprKey) and other.value == self.value
+
+
+class MaskedObsEnv(gym.Env):
+    """Observations are masked arrays (an ndarray subclass); every episode ends at its first step."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def _obs(self):
+        return np.ma.masked_array(np.zeros(3, np.float32), mask=[False, True, False])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._obs(), {}
+
+    def step(self, action):
+        return self._obs(), 0.0, True, False, {}
+
+
 class SpacesEnv(gym.Env):
     """Observations in a given space (sampled from the env's RNG), any action space; ends every 9 steps.
 

@@ -20,7 +20,7 @@ from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from clusterenv_core import EnvError
 from tests.compare import assert_same
-from tests.envs import InPlaceStateEnv, IntFlagsEnv, SpacesEnv, make_dict_env
+from tests.envs import InPlaceStateEnv, IntFlagsEnv, MaskedObsEnv, SameReprKey, SpacesEnv, make_dict_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,6 +160,21 @@ def test_final_observation_of_an_env_that_resets_its_array_in_place(mode):
     assert counts["truncated"] > 10, counts
 
 
+@pytest.mark.parametrize("mode", ["SameStep"] if GYMNASIUM_1 else [None])
+def test_final_observation_of_an_ndarray_subclass_keeps_its_type(mode):
+    # SyncVectorEnv's final observations are the env's own objects: here masked arrays.
+    cluster, sync = make_pair([MaskedObsEnv] * 2, mode)
+    with cluster:
+        cluster.reset(seed=0)
+        sync.reset(seed=0)
+        actual, expected = cluster.step(np.zeros(2, np.int64))[4], sync.step(np.zeros(2, np.int64))[4]
+        key = "final_obs" if GYMNASIUM_1 else "final_observation"
+        for index in range(2):
+            assert type(actual[key][index]) is type(expected[key][index]) is np.ma.MaskedArray
+            np.testing.assert_array_equal(actual[key][index].mask, expected[key][index].mask)
+    sync.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_dict_observations_continuous_actions(mode):
     env_fns = [make_dict_env] * NUM_ENVS
@@ -193,6 +208,15 @@ SPACE_PAIRS = {
         spaces.Dict({"move": spaces.Box(-1, 1, (2,), np.float32), "pick": spaces.Discrete(3)}),
     ),
     "graph obs": (spaces.Graph(spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2)), spaces.MultiBinary(3)),
+    # Leaves whose paths read alike when joined with dots ("a.b" and "a" -> "b"; "t.0" and "t" -> 0).
+    "keys that read alike": (
+        spaces.Dict({"a.b": spaces.Box(-1, 1, (3,), np.float32), "a": spaces.Dict({"b": spaces.Discrete(4)})}),
+        spaces.Dict({"t": spaces.Tuple((spaces.Discrete(3), spaces.Discrete(5))), "t.0": spaces.Box(-1, 1, (2,), np.float32)}),
+    ),
+    "keys of one repr": (
+        spaces.Dict({SameReprKey(1): spaces.Box(-1, 1, (3,), np.float32), SameReprKey(2): spaces.Discrete(4)}),
+        spaces.Discrete(2),
+    ),
     "text actions": (spaces.Box(-1, 1, (3,), np.float32), spaces.Text(4)),
 }
 

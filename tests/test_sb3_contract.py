@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMoni
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
-from tests.envs import CallCounter, InPlaceStateEnv, make_dict_env  # noqa: E402
+from tests.envs import CallCounter, InPlaceStateEnv, MaskedObsEnv, SpacesEnv, make_dict_env  # noqa: E402
 
 STEPS = 2000
 
@@ -116,6 +116,29 @@ def test_vec_normalize_frame_stack_monitor_match():
         return VecNormalize(VecFrameStack(venv, n_stack=3))
 
     _assert_same_run(build(ClusterVecEnv), build(DummyVecEnv), steps=500, num_envs=6)
+
+
+def test_terminal_observation_of_an_ndarray_subclass_keeps_its_type():
+    expected, actual = DummyVecEnv([MaskedObsEnv] * 2), ClusterVecEnv([MaskedObsEnv] * 2, num_workers=1)
+    try:
+        expected.reset()
+        actual.reset()
+        infos, expected_infos = actual.step(np.zeros(2, np.int64))[3], expected.step(np.zeros(2, np.int64))[3]
+        for info, expected_info in zip(infos, expected_infos):
+            assert type(info["terminal_observation"]) is type(expected_info["terminal_observation"]) is np.ma.MaskedArray
+    finally:
+        expected.close()
+        actual.close()
+
+
+def test_dict_keys_of_one_string_form_keep_their_buffers():
+    # 1 and "1" were both the buffer "obs.1".
+    space = gym.spaces.Dict({1: gym.spaces.Box(-1, 1, (3,), np.float32), "1": gym.spaces.Discrete(4)})
+    env_fns = [functools.partial(SpacesEnv, space, gym.spaces.Discrete(2))] * 2
+    actual, expected = ClusterVecEnv(env_fns, num_workers=2), DummyVecEnv(env_fns)
+    actual.seed(3)
+    expected.seed(3)
+    _assert_same_run(actual, expected, steps=30, num_envs=2)
 
 
 def test_methods_and_attributes_of_an_env_listed_twice():
