@@ -12,7 +12,6 @@ for a ``Dict`` space and a ``tuple`` for a ``Tuple`` space.
 
 from __future__ import annotations
 
-
 import functools
 import pickle
 from collections.abc import Callable

@@ -184,7 +184,7 @@ class EnvBlock:
                             self.write_final_obs(row, final)
                         else:
                             final_obs[index] = final
-                        if reset_info:
+                        if reset_info or type(reset_info) is not dict:
                             reset_infos[index] = reset_info
                     elif next_step:
                         self.needs_reset[slot] = True
@@ -212,7 +212,9 @@ class EnvBlock:
             rewards.append(reward)
             terminations.append(term)
             truncations.append(trunc)
-            if info:
+            # Empty plain dicts stay behind (the learner makes them); an empty OrderedDict, say, comes
+            # as the env's own object, as DummyVecEnv hands it on.
+            if info or type(info) is not dict:
                 infos[index] = info
             row += 1
         # One conversion per block instead of one numpy item assignment per env.
@@ -244,7 +246,7 @@ class EnvBlock:
                 obs, reset_info = checked_reset(self.envs[slot].reset())
             except BaseException as reset_error:
                 raise RemoteFailure(slot, "reset of a replaced env", reset_error) from reset_error
-            if reset_info:
+            if reset_info or type(reset_info) is not dict:
                 reset_infos[index] = reset_info
         else:
             self.needs_reset[slot] = self.autoreset_mode == "next_step"
@@ -301,7 +303,7 @@ class EnvBlock:
             index = self.first_index + slot
             if not self.obs_layout.buffered:
                 pickled_obs[index] = self.last_pickled_obs[slot] = obs
-            if info:
+            if info or type(info) is not dict:
                 infos[index] = info
         return _parts(infos=infos, obs=pickled_obs)
 

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import warnings
+from collections import OrderedDict
 
 import gymnasium as gym
 import numpy as np
@@ -208,6 +209,18 @@ class JitteryEnv(gym.Wrapper):
     def step(self, action):
         time.sleep(self.jitter.uniform(0.0, self.max_seconds))
         return self.env.step(action)
+
+
+class OrderedInfoEnv(gym.Wrapper):
+    """CartPole whose infos are OrderedDicts (empty ones: CartPole has no info keys)."""
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return obs, OrderedDict(info)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated, truncated, OrderedDict(info)
 
 
 class SameReprKey:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import OrderedDict
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +17,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMoni
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
-from tests.envs import CallCounter, InPlaceStateEnv, MaskedObsEnv, SpacesEnv, make_dict_env  # noqa: E402
+from tests.envs import CallCounter, InPlaceStateEnv, MaskedObsEnv, OrderedInfoEnv, SpacesEnv, make_dict_env  # noqa: E402
 
 STEPS = 2000
 
@@ -139,6 +140,16 @@ def test_dict_keys_of_one_string_form_keep_their_buffers():
     actual.seed(3)
     expected.seed(3)
     _assert_same_run(actual, expected, steps=30, num_envs=2)
+
+
+def test_empty_infos_of_a_dict_subclass_keep_their_type():
+    env_fns = [lambda: OrderedInfoEnv(gym.make("CartPole-v1"))] * 3
+    actual, expected = ClusterVecEnv(env_fns, num_workers=2), DummyVecEnv(env_fns)
+    actual.seed(1)
+    expected.seed(1)
+    _assert_same_run(actual, expected, steps=60, num_envs=3)  # episodes end: reset infos after autoresets
+    assert_same(actual.reset_infos, expected.reset_infos)
+    assert type(expected.reset_infos[0]) is OrderedDict
 
 
 def test_methods_and_attributes_of_an_env_listed_twice():
