@@ -138,6 +138,7 @@ class AsyncBatches:
         workers = self._workers_of(env_ids)
         if pool._restarter is not None:
             pool._restarter.note_reset(mask)
+        pool._drain(keep_steps=True)  # replies an interrupted call left unread come first
         for worker in workers:
             block = pool.blocks[worker]
             size = len(block)
@@ -164,6 +165,7 @@ class AsyncBatches:
         leaves = pool.buffers.act_layout.check_batch(actions, len(env_ids))
         for buffer, leaf in zip(pool.buffers.actions, leaves):
             buffer[env_ids] = leaf
+        pool._drain(keep_steps=True)  # replies an interrupted call left unread come first
         self._returned[env_ids] = False
         self._has_action[env_ids] = True
         for worker in self._workers_of(env_ids):
@@ -225,6 +227,7 @@ class AsyncBatches:
         if not self._started:
             raise ClusterEnvError("recv before reset: call reset first")
         transport = pool._transport
+        self._finish_replacements()
         self._time_out_overdue()
         while len(self._ready) < self.batch_size:
             coming = sum(len(pool.blocks[worker]) for worker in self._stepping)
@@ -280,26 +283,35 @@ class AsyncBatches:
             error = WorkerTimeoutError(f"worker {worker} did not answer its step within {pool.timeout:g} s")
             pool._awaiting.pop(worker, None)
             pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
-            self._stepping.remove(worker)
-            results = pool._restarter.replace_lost()
-            self._infos.update((results.get(worker) or {}).get("infos", ()))
-            self._ready.extend(pool.blocks[worker])
+        self._finish_replacements()
 
     def _receive(self, workers: list[int]) -> None:
         """Read the step replies of ``workers``; their envs become ready, oldest step first."""
         pool = self.pool
-        restarter = pool._restarter
         for worker in workers:
-            self._stepping.remove(worker)
             block = pool.blocks[worker]
             try:
                 results = pool._gather([worker], "step", step=True)
-                if restarter is not None:
-                    results.update(restarter.replace_lost())
             except EnvError:
+                self._stepping.remove(worker)
                 self._returned[block.start : block.stop] = True
                 raise
-            parts = results.get(worker) or {}
-            pool._count_env_restarts(parts)
-            self._infos.update(parts.get("infos", ()))
-            self._ready.extend(block)
+            if worker in results:  # else lost, and replaced below
+                self._stepping.remove(worker)
+                parts = results[worker] or {}
+                pool._count_env_restarts(parts)
+                self._infos.update(parts.get("infos", ()))
+                self._ready.extend(block)
+            self._finish_replacements()
+
+    def _finish_replacements(self) -> None:
+        """Replace the lost workers (also after a replacement interrupted by Ctrl-C): their envs
+        become ready with the step their replacement ends. Until then they count as stepping."""
+        pool = self.pool
+        restarter = pool._restarter
+        if restarter is None or not restarter.lost:
+            return
+        for worker, parts in restarter.replace_lost().items():
+            self._stepping.remove(worker)
+            self._infos.update((parts or {}).get("infos", ()))
+            self._ready.extend(pool.blocks[worker])

@@ -309,7 +309,10 @@ class EnvPool(DeprecatedPoolMethods):
         try:
             # The last worker is the last to get its step and, with no spin, the last to finish: waiting
             # for it first finds the others' replies in, one wake-up instead of one per worker.
-            results = self._gather(sorted(self._awaiting, reverse=True), "step", step=True)
+            stepping = sorted(self._awaiting, reverse=True)
+            if restarter is not None:  # after an interrupted replacement: its requests are not steps
+                stepping = [worker for worker in stepping if worker not in restarter.lost]
+            results = self._gather(stepping, "step", step=True)
             if restarter is not None:
                 results.update(restarter.replace_lost())
         finally:
@@ -582,16 +585,20 @@ class EnvPool(DeprecatedPoolMethods):
             raise self._fail(error)
         self._restarter.lost[worker] = error
 
-    def _drain(self) -> None:
-        """Read replies left unread by an interrupted call, so requests and replies stay paired."""
+    def _drain(self, keep_steps: bool = False) -> None:
+        """Read replies left unread by an interrupted call, so requests and replies stay paired
+        (``keep_steps``: not those of steps, which asynchronous batches still wait for)."""
         for worker in sorted(self._awaiting):
             request_type = self._awaiting[worker]
+            if keep_steps and request_type is None:
+                continue
             try:
                 _read_reply(self._transport, worker, request_type, _reply_timeout(request_type, self.timeout))
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
             del self._awaiting[worker]
-        self._stepping = False
+        if not keep_steps:
+            self._stepping = False
 
     def _fail(self, error: ClusterEnvError) -> ClusterEnvError:
         """Remember that the pool is unusable; returns ``error`` for raising."""

@@ -33,8 +33,11 @@ class WorkerRestarts:
     def __init__(self, pool: EnvPool) -> None:
         self.pool = pool
         self.counts = [0] * pool.num_workers  # replacements of each worker so far
-        #: workers lost during the pending step, to replace before it completes
+        #: workers lost during the pending step, to replace before it completes; each stays listed
+        #: until its replacement took over, so that one interrupted (Ctrl-C) is done again
         self.lost: dict[int, ClusterEnvError] = {}
+        self._counted: set[int] = set()  # lost workers whose replacement is counted already
+        self._taken_over: dict[int, dict] = {}  # step results of replacements not yet returned
         layout = pool.buffers.obs_layout
         # Observations before the current step, to end the episodes of a replaced worker with.
         self.obs_before_step: list = [np.empty_like(array) for array in pool.buffers.obs] if layout.buffered else []
@@ -71,9 +74,10 @@ class WorkerRestarts:
 
     def replace_lost(self) -> dict[int, dict]:
         """Replace every worker lost in this step; returns each one's step result."""
-        results = {}
         for worker in sorted(self.lost):
-            results[worker] = self._replace(worker, self.lost.pop(worker))
+            self._taken_over[worker] = self._replace(worker, self.lost[worker])
+            del self.lost[worker]
+        results, self._taken_over = self._taken_over, {}
         return results
 
     def _replace(self, worker: int, error: ClusterEnvError) -> dict:
@@ -86,16 +90,21 @@ class WorkerRestarts:
         resets them.
         """
         pool = self.pool
+        pool._awaiting.pop(worker, None)  # a request of an interrupted replacement, whose process goes
         try:
             pool._transport.restart(worker, pool.timeout)
         except NotImplementedError:
             raise pool._fail(error) from None
-        self.counts[worker] += 1
-        pool.restarts["workers"] += 1
+        if worker not in self._counted:
+            self._counted.add(worker)
+            self.counts[worker] += 1
+            pool.restarts["workers"] += 1
         try:
-            return self._take_over(worker, error)
+            result = self._take_over(worker, error)
         except ClusterEnvError as failure:  # e.g. the factories raise now: the pool cannot go on
             raise pool._fail(failure) from error
+        self._counted.discard(worker)
+        return result
 
     def _take_over(self, worker: int, error: ClusterEnvError) -> dict:
         """Build the lost worker's envs on its replacement; returns the block's step result."""

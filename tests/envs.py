@@ -126,6 +126,10 @@ class CallCounter(gym.Wrapper):
         self.calls += k
         return self.calls
 
+    def sleep_then_bump(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.bump()
+
 
 class SuicidalEnv(gym.Wrapper):
     """Kills its own process at step ``die_at`` (as a segfault in native env code would)."""

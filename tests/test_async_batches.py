@@ -18,7 +18,8 @@ import pytest
 from clusterenv_cleanrl import ClusterEnvPool
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
 from tests.compare import assert_same
-from tests.envs import FailingEnv, HangingEnv, JitteryEnv, ResetFailingEnv, SlowCartPole, SuicidalEnv, make_dict_env
+from tests.envs import CallCounter, FailingEnv, HangingEnv, JitteryEnv, ResetFailingEnv, SlowCartPole, SuicidalEnv, make_dict_env
+from tests.interrupts import interrupt_soon
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
@@ -361,6 +362,20 @@ def test_a_worker_lost_in_a_reset_step_resets_its_ended_envs():
         assert pool.restarts["workers"] == 1 and "clusterenv_restart" in result.infos[0]
         assert not result.truncated.any() and not result.terminated.any() and not result.rewards.any()
         np.testing.assert_array_equal(result.obs, [[1.0, 0.0], [1.0, 0.0]])
+
+
+def test_a_call_interrupted_between_batches_is_answered_before_the_next_step():
+    # Its reply comes first on the worker's connection: read as the step's, every later reply was one behind.
+    with EnvPool([lambda: CallCounter(gym.make("CartPole-v1"))] * 2, num_workers=1, autoreset_mode="next_step") as pool:
+        batches = pool.async_batches(2)
+        batches.reset(seeds=[0, 1])
+        result = batches.recv()
+        interrupt_soon(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            pool.call("sleep_then_bump", (1.0,), indices=[0])
+        batches.send(np.zeros(2, np.int64), result.env_ids)
+        assert batches.recv().rewards.tolist() == [1.0, 1.0]
+        assert pool.get_attr("calls") == [1, 0]
 
 
 def test_replaced_envs_are_counted():

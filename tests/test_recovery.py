@@ -14,6 +14,7 @@ import pytest
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from tests.envs import ChattyEnv, FailingEnv, HangingEnv, ResetFailingEnv, SuicidalEnv
+from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -36,6 +37,15 @@ def _dies_then_cannot_be_rebuilt(flag: str) -> gym.Env:
         raise RuntimeError("the simulator's licence server is unreachable")
     open(flag, "w").close()
     return SuicidalEnv(gym.make("CartPole-v1"), die_at=2)
+
+
+def _hangs_then_rebuilds_slowly(flag: str) -> gym.Env:
+    """CartPole whose first process hangs at step 1; building it again takes 2 s (a slow simulator)."""
+    if os.path.exists(flag):
+        time.sleep(2.0)
+        return gym.make("CartPole-v1")
+    open(flag, "w").close()
+    return HangingEnv(gym.make("CartPole-v1"), hang_at=1)
 
 
 def test_raising_env_is_replaced_same_step():
@@ -224,6 +234,43 @@ def test_stuck_worker_is_replaced_next_step():
         np.testing.assert_array_equal(result.obs[1], before[1])
         result = pool.step(_zeros(pool))
         assert result.rewards[1] == 0.0 and not result.truncated[1]
+
+
+def test_ctrl_c_while_a_lost_worker_is_replaced_then_resume(tmp_path):
+    # The step times out after 1 s and the replacement builds its env for 2 s: Ctrl-C lands there.
+    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"))]
+    with EnvPool(env_fns, num_workers=2, timeout=1.0, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        interrupt_soon(1.6)
+        with pytest.raises(KeyboardInterrupt):
+            pool.step(_zeros(pool))
+        result = pool.step_wait()  # the replacement is done again, and counted once
+        assert result.truncated.tolist() == [False, True]
+        assert "restart 1 of 3" in result.infos[1][RESTART_INFO_KEY]
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        for _ in range(3):
+            assert not pool.step(_zeros(pool)).truncated.any()
+
+
+def test_ctrl_c_while_a_lost_worker_is_replaced_in_asynchronous_batches(tmp_path):
+    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"))]
+    with EnvPool(env_fns, num_workers=2, timeout=1.0, autoreset_mode="next_step", restart_failed_workers=True) as pool:
+        batches = pool.async_batches(1)
+        batches.reset(seeds=[0, 1])
+        for _ in range(2):
+            batches.send(np.zeros(1, np.int64), batches.recv().env_ids)  # env 1's worker hangs
+        interrupt_soon(1.6)
+        with pytest.raises(KeyboardInterrupt):
+            while True:
+                batches.send(np.zeros(1, np.int64), batches.recv().env_ids)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            result = batches.recv()
+            if result.env_ids[0] == 1:
+                break
+            batches.send(np.zeros(1, np.int64), result.env_ids)
+        assert result.env_ids.tolist() == [1] and result.truncated[0]
+        assert RESTART_INFO_KEY in result.infos[1] and pool.restarts["workers"] == 1
 
 
 def test_sb3_adapter_passes_restart_options():
