@@ -269,21 +269,10 @@ class AsyncBatches:
         """A worker stepping for longer than the timeout, with no reply in, timed out."""
         pool = self.pool
         now = time.monotonic()
-        overdue = [worker for worker in self._stepping if now - self._started_at[worker] > pool.timeout]
-        if not overdue:
-            return
-        try:
-            self._receive(pool._transport.wait_steps(overdue, 0.0))  # replies in but not read yet
-        except (WorkerLostError, WorkerTimeoutError) as error:
-            raise pool._fail(error)
-        for worker in overdue:
-            if worker not in self._stepping:
-                continue
-            pool._transport.failed.add(worker)
-            error = WorkerTimeoutError(f"worker {worker} did not answer its step within {pool.timeout:g} s")
-            pool._awaiting.pop(worker, None)
-            pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
-        self._finish_replacements()
+        for worker in [worker for worker in self._stepping if now - self._started_at[worker] > pool.timeout]:
+            # A reply in is read; else the read raises the backend's timeout error, its time being past
+            # (naming the worker's process and envs), and the worker is replaced or the pool fails.
+            self._receive([worker])
 
     def _receive(self, workers: list[int]) -> None:
         """Read the step replies of ``workers``; their envs become ready, oldest step first."""

@@ -9,6 +9,7 @@ fail before anything is sent. The ``check_*`` functions also run on the MPI back
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import gymnasium as gym
@@ -289,11 +290,13 @@ def check_lost_or_stuck_worker_is_reported(fault: str, lost_within: float = 0.5,
         # Worker 1's envs fail at their 4th step, within milliseconds; worker 0's keep the batches
         # full, yet the stuck worker is reported within the timeout (the lost one at once).
         started = time.monotonic()
-        with pytest.raises(WorkerLostError if fault == "dies" else WorkerTimeoutError):
+        with pytest.raises(WorkerLostError if fault == "dies" else WorkerTimeoutError) as caught:
             while time.monotonic() - started < 10.0:
                 result = batches.recv()
                 batches.send(np.zeros(2, dtype=np.int64), result.env_ids)
         assert time.monotonic() - started < (lost_within if fault == "dies" else 2.0 + 0.5)
+        if fault == "hangs":  # named as a synchronous step names it: its process and envs
+            assert re.search(r"worker 1 \((pid|MPI rank) .*envs 2-3\) did not answer within 2 s", str(caught.value))
         with pytest.raises(ClusterEnvError, match="unusable"):
             batches.recv()
     finally:
