@@ -16,10 +16,9 @@ Use it through :meth:`EnvPool.async_batches <clusterenv_core.pool.EnvPool.async_
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
-
-import time
 
 import numpy as np
 

@@ -19,7 +19,16 @@ import pytest
 from clusterenv_cleanrl import ClusterEnvPool
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
 from tests.compare import assert_same
-from tests.envs import CallCounter, FailingEnv, HangingEnv, JitteryEnv, ResetFailingEnv, SlowCartPole, SuicidalEnv, make_dict_env
+from tests.envs import (
+    CallCounter,
+    FailingEnv,
+    HangingEnv,
+    JitteryEnv,
+    ResetFailingEnv,
+    SlowCartPole,
+    SuicidalEnv,
+    make_dict_env,
+)
 from tests.interrupts import interrupt_soon
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
