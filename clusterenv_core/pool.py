@@ -177,7 +177,7 @@ class EnvPool(DeprecatedPoolMethods):
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, transport, self._awaiting)
+        self._finalizer = weakref.finalize(self, _shutdown, transport, self._awaiting, self.timeout)
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
         try:
@@ -710,12 +710,15 @@ def _read_reply(transport: Transport, worker: int, request_type: type | None, ti
     return status, result
 
 
-def _shutdown(transport: Transport, awaiting: dict[int, type | None]) -> EnvError | None:
+def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: float) -> EnvError | None:
     """Ask every worker to close its envs and exit, then make sure they have; returns the error of
     the first env whose ``close()`` raised.
 
-    One deadline bounds the waits for all workers, however many are stuck. Kept apart from the pool
-    so that it can run as the pool's finalizer at interpreter exit (which drops what it returns).
+    Workers still busy with a request (a stuck step, say) have ``_CLOSE_TIMEOUT`` seconds to answer
+    it, one deadline for all however many are stuck; the workers asked to close then have
+    ``timeout`` seconds (at least as long), again one deadline for all, as closing an env may take
+    a while (a video recorder finishing its file). Those that do not are killed. Kept apart from the
+    pool so that it can run as the pool's finalizer at interpreter exit (which drops what it returns).
     """
     deadline = time.monotonic() + _CLOSE_TIMEOUT
 
@@ -735,6 +738,7 @@ def _shutdown(transport: Transport, awaiting: dict[int, type | None]) -> EnvErro
                 asked.append(worker)
             except ClusterEnvError:
                 awaiting.pop(worker, None)
+        deadline = time.monotonic() + max(timeout, _CLOSE_TIMEOUT)
         for worker in asked:
             try:
                 status, result = transport.recv(worker, remaining())

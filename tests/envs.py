@@ -227,6 +227,21 @@ class OrderedInfoEnv(gym.Wrapper):
         return obs, reward, terminated, truncated, OrderedDict(info)
 
 
+class SlowCloseEnv(gym.Wrapper):
+    """CartPole whose ``close()`` takes ``seconds`` and then writes ``path`` (a recorder finishing its file)."""
+
+    def __init__(self, env: gym.Env, seconds: float, path: str) -> None:
+        super().__init__(env)
+        self.seconds = seconds
+        self.path = path
+
+    def close(self):
+        time.sleep(self.seconds)
+        with open(self.path, "w") as file:
+            file.write("done")
+        super().close()
+
+
 class SameReprKey:
     """A Dict space key whose repr is that of every other such key (they differ by ``value``)."""
 

@@ -27,6 +27,7 @@ from tests.envs import (
     HangingEnv,
     LockHoldingEnv,
     SlowCartPole,
+    SlowCloseEnv,
     SuicidalEnv,
     UnprintableFailureEnv,
 )
@@ -396,6 +397,17 @@ def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks):
     started = time.monotonic()
     pool.close()
     assert time.monotonic() - started < 8  # 5 s for them all, then the kill (not 5 s a worker)
+
+
+def test_close_lets_envs_take_their_time_to_close(no_leaks, tmp_path):
+    # As DummyVecEnv and SubprocVecEnv wait for it: killed at 5 s, a recorder would leave half a file.
+    paths = [str(tmp_path / f"video{index}") for index in range(2)]
+    env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=6.0, path=path) for path in paths]
+    pool = EnvPool(env_fns, num_workers=2, timeout=20.0)
+    pool.reset()
+    _step_zeros(pool)
+    pool.close()
+    assert all(os.path.exists(path) for path in paths)
 
 
 def test_an_env_failing_to_close_is_raised_once_everything_is_released(no_leaks):
