@@ -287,7 +287,6 @@ class AsyncBatches:
             if worker in results:  # else lost, and replaced below
                 self._stepping.remove(worker)
                 parts = results[worker] or {}
-                pool._count_env_restarts(parts)
                 self._infos.update(parts.get("infos", ()))
                 self._ready.extend(block)
             self._finish_replacements()

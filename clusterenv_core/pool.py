@@ -330,7 +330,6 @@ class EnvPool(DeprecatedPoolMethods):
             reset_infos.update(parts.get("reset_infos", ()))
             final_obs.update(parts.get("final_obs", ()))
             self._store_pickled_obs(parts)
-            self._count_env_restarts(parts)
         buffers = self.buffers
         return StepResult(
             self._obs, buffers.rewards, buffers.terminated, buffers.truncated, infos, reset_infos, final_obs, buffers
@@ -547,7 +546,8 @@ class EnvPool(DeprecatedPoolMethods):
         on_reply: Callable[[int], None] | None = None,
     ) -> dict[int, Any]:
         """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
-        first env) is raised once all have answered.
+        first env) is raised once all have answered. With ``step``, the envs the replies say were
+        replaced are counted, also those of replies that end in an error.
 
         Rows that follow a reply (see :mod:`clusterenv_core.protocol`) land in the buffers first;
         ``on_reply(worker)`` runs after each successful reply (to receive arrays that follow it).
@@ -571,8 +571,12 @@ class EnvPool(DeprecatedPoolMethods):
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
                     first_error = _remote_error(worker, result, what)
+                if step:
+                    self._count_env_restarts({"env_restarts": result.env_restarts})
             else:
                 results[worker] = result
+                if step and result is not None:  # counted here: an error of another worker may follow
+                    self._count_env_restarts(result)
                 if on_reply is not None:
                     on_reply(worker)
         if first_error is not None:

@@ -209,6 +209,7 @@ class ErrorDetails(NamedTuple):
     exc_type: str  # qualified name of the exception's type
     message: str
     traceback: str
+    env_restarts: tuple[int, ...] = ()  # envs replaced in the same step before the failure
 
 
 # The result of a step or reset (and of each rollout step) names what could not go through the

@@ -58,7 +58,8 @@ class RemoteFailure(Exception):
         self.operation = operation
         self.error = error
 
-    def reply(self, first_index: int) -> tuple:
+    def reply(self, first_index: int, env_restarts: list[int] | None = None) -> tuple:
+        """The error reply; ``env_restarts``: the envs replaced in the request before it failed."""
         error = self.error
         return (
             ERROR,
@@ -68,6 +69,7 @@ class RemoteFailure(Exception):
                 exc_type=f"{type(error).__module__}.{type(error).__qualname__}",
                 message=_message_of(error),
                 traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
+                env_restarts=tuple(env_restarts or ()),
             ),
         )
 
@@ -465,7 +467,7 @@ class Worker:
                 parts = self.block.step()
                 reply = OK_NONE if parts is None else (OK, parts)
             except RemoteFailure as failure:
-                reply = failure.reply(self.first_index)
+                reply = failure.reply(self.first_index, self.block.replaced)
             self._send_reply(connection.send_step, reply, "step")
             return False
         if type(request) is protocol.Unreadable:  # already shaped as the error reply it gets

@@ -161,6 +161,18 @@ def test_a_replacement_ends_episodes_the_learner_reset_next_step():
         np.testing.assert_array_equal(result.obs[0], [2.0, 0.0])  # its last observation, from the reset
 
 
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_env_restarts_are_counted_in_a_step_that_fails(num_workers):
+    # Env 0 is replaced at step 2, in which env 1 (replaced at step 1) raises with no budget left.
+    env_fns = [functools.partial(_with, FailingEnv, fail_at=2), functools.partial(_with, FailingEnv, fail_at=1)]
+    with EnvPool(env_fns, num_workers=num_workers, restart_failed_envs=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(_zeros(pool))
+        with pytest.raises(EnvError, match="injected failure at step 1"):
+            pool.step(_zeros(pool))
+        assert pool.restarts == {"envs": 2, "workers": 0} and pool.env_restarts == [1, 1]
+
+
 def test_an_envs_restart_budget_outlives_its_worker():
     # max_restarts bounds the replacements of the same env, whichever worker process ran it.
     env_fns = [CARTPOLE, functools.partial(_with, FailingEnv, fail_at=2)]
