@@ -15,8 +15,7 @@ opt-in restarts (``restart_failed_envs``, ``restart_failed_workers``, ``max_rest
 :class:`~clusterenv_core.pool.EnvPool`), and backend options.
 
 Where it differs from ``SyncVectorEnv``: there is no ``envs`` list (the envs live on the workers;
-use :meth:`call`, :meth:`get_attr` and :meth:`set_attr`); envs receive actions in the action space's
-dtype (pass float32 actions to a float32 ``Box`` for identical results); an exception raised by an
+use :meth:`call`, :meth:`get_attr` and :meth:`set_attr`); an exception raised by an
 env reaches the caller as :class:`~clusterenv_core.errors.EnvError` carrying the remote traceback;
 it is a context manager, and on gymnasium 0.29 it has :meth:`render` too.
 """

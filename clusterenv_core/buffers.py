@@ -8,12 +8,12 @@ contiguous block of envs is a contiguous slice of every field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from gymnasium import spaces
 
-from clusterenv_core.spaces import GYMNASIUM_DICT, Field, SpaceLayout
+from clusterenv_core.spaces import GYMNASIUM_DICT, Field, SpaceLayout, action_buffer_dtype
 
 _ALIGN = 64  # cache-line alignment keeps two workers' writes to neighbouring fields apart
 
@@ -43,7 +43,8 @@ class BatchSpec:
             Field("terminated", (), np.dtype(np.bool_)),
             Field("truncated", (), np.dtype(np.bool_)),
         ]
-        return [*obs.fields, *final_obs.fields, *scalars, *act.fields]
+        actions = [replace(field, dtype=action_buffer_dtype(field.dtype)) for field in act.fields]
+        return [*obs.fields, *final_obs.fields, *scalars, *actions]
 
     def nbytes(self) -> int:
         return fields_nbytes(self.fields(), self.num_envs)

@@ -34,7 +34,7 @@ from clusterenv_core.errors import (
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
 from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS
 from clusterenv_core.results import ResetResult, StepResult
-from clusterenv_core.spaces import common_spaces
+from clusterenv_core.spaces import common_spaces, delivered_dtype
 from clusterenv_core.transports import Transport, make_transport
 
 if TYPE_CHECKING:
@@ -200,6 +200,8 @@ class EnvPool(DeprecatedPoolMethods):
             self._attach(range(num_workers), start_timeout)
             self._obs_layout = self.buffers.obs_layout
             self._act_layout = self.buffers.act_layout
+            # Envs get their actions in the dtypes of the last batch (see spaces.delivered_dtype).
+            self._batch_dtypes = self._action_dtypes = [field.dtype for field in self._act_layout.fields]
             # Batched observations: views of the buffers, or per-env values for spaces without buffers.
             self._obs: Any = (
                 self._obs_layout.batch(self.buffers.obs) if self._obs_layout.buffered else [None] * num_envs
@@ -270,6 +272,10 @@ class EnvPool(DeprecatedPoolMethods):
         if self._act_layout.buffered:
             layout = self._act_layout
             leaves = layout.stack(actions, self.num_envs) if per_env else layout.check_batch(actions, self.num_envs)
+            batch_dtypes = [leaf.dtype for leaf in leaves]
+            if batch_dtypes != self._batch_dtypes:
+                self._set_action_dtypes([delivered_dtype(f.dtype, b) for f, b in zip(layout.fields, batch_dtypes)])
+                self._batch_dtypes = batch_dtypes
             for buffer, leaf in zip(self.buffers.actions, leaves):
                 buffer[...] = leaf
         else:
@@ -291,6 +297,20 @@ class EnvPool(DeprecatedPoolMethods):
                 continue
             self._awaiting[worker] = None
         self._stepping = True
+
+    def _set_action_dtypes(self, dtypes: list[np.dtype], workers: Iterable[int] | None = None) -> None:
+        """Have ``workers`` (all by default, which then keep ``dtypes``) give envs their actions in
+        ``dtypes``, unless all have them already."""
+        if workers is None:
+            if dtypes == self._action_dtypes:
+                return
+            workers = range(self.num_workers)
+        workers = list(workers)
+        for worker in workers:
+            self._send(worker, protocol.ActionDtypes(tuple(dtypes)))
+        self._gather(workers, "setting the dtypes of actions")
+        if len(workers) == self.num_workers:
+            self._action_dtypes = dtypes
 
     def _split_batch(self, actions: Any) -> list:
         """A batch of a space without buffers, one action per env, as ``SyncVectorEnv`` splits it."""
@@ -445,7 +465,12 @@ class EnvPool(DeprecatedPoolMethods):
         pool's own calls work while no worker is stepping."""
         from clusterenv_core.batches import AsyncBatches
 
-        return AsyncBatches(self, batch_size)
+        batches = AsyncBatches(self, batch_size)
+        # Envs get their actions in the space's dtypes, as EnvPool converts them to its own: workers
+        # stepping on their own cannot be told otherwise between steps.
+        self._set_action_dtypes([field.dtype for field in self._act_layout.fields])
+        self._batch_dtypes = self._action_dtypes
+        return batches
 
     # -- per-env access ---------------------------------------------------------------------------
 

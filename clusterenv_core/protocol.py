@@ -91,6 +91,15 @@ class Actions(Request):
 
 
 @dataclass(frozen=True)
+class ActionDtypes(Request):
+    """From the next step on, give envs their actions in ``dtypes`` (one per action field): the
+    learner's batches changed dtype, and envs get the dtype of the batch, as DummyVecEnv and
+    SyncVectorEnv hand actions on."""
+
+    dtypes: tuple
+
+
+@dataclass(frozen=True)
 class Reset(Request):
     """Reset the envs selected by ``mask`` (all when ``None``); the reply's result is a
     :class:`StepParts` dict (infos, pickled observations) or ``None``."""

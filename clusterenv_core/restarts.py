@@ -117,6 +117,8 @@ class WorkerRestarts:
         pool._send(worker, dataclasses.replace(pool._init_requests[worker], restarted=True, env_restarts=env_restarts))
         pool._gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
         pool._attach([worker], start_timeout)
+        if pool._act_layout.buffered and pool._action_dtypes != [field.dtype for field in pool._act_layout.fields]:
+            pool._set_action_dtypes(pool._action_dtypes, [worker])
 
         layout, rows = pool.buffers.obs_layout, slice(block.start, block.stop)
         if layout.buffered:

@@ -92,14 +92,20 @@ class SpaceLayout:
             return write
         return functools.partial(self.write, arrays)
 
-    def reader(self, arrays: list[np.ndarray]) -> Callable[[int], Any]:
+    def reader(self, arrays: list[np.ndarray], dtypes: list[np.dtype] | None = None) -> Callable[[int], Any]:
         """A function ``row -> value`` equivalent to :meth:`read`, with no tree walk for one-field spaces."""
         if isinstance(self._tree, int):
             array = arrays[self._tree]
+            dtype = array.dtype if dtypes is None else dtypes[self._tree]
             if array.ndim == 1:
-                return array.__getitem__  # numpy scalars are immutable: no copy needed
-            return lambda row: array[row].copy()
-        return functools.partial(self.read, arrays)
+                if dtype == array.dtype:
+                    return array.__getitem__  # numpy scalars are immutable: no copy needed
+                scalar = dtype.type
+                return lambda row: scalar(array[row])
+            if dtype == array.dtype:
+                return lambda row: array[row].copy()
+            return lambda row: array[row].astype(dtype)
+        return functools.partial(self.read, arrays, dtypes=dtypes)
 
     def batch(self, arrays: list[np.ndarray]) -> Any:
         """The batched value whose leaves are ``arrays`` (one per field, in field order)."""
@@ -161,17 +167,20 @@ class SpaceLayout:
             problems = (self._mismatch(child, item, f"{where}[{i}]") for i, (child, item) in enumerate(zip(node[1], value)))
         return next((problem for problem in problems if problem), "")
 
-    def read(self, arrays: list[np.ndarray], row: int) -> Any:
-        """One env's value at ``row`` as an independent copy (numpy scalar for 0-d leaves)."""
-        return self._read(self._tree, arrays, row)
+    def read(self, arrays: list[np.ndarray], row: int, dtypes: list[np.dtype] | None = None) -> Any:
+        """One env's value at ``row`` as an independent copy (numpy scalar for 0-d leaves), each
+        leaf of its array's dtype or, given ``dtypes`` (one per field), of that."""
+        return self._read(self._tree, arrays, row, dtypes)
 
-    def _read(self, node: Any, arrays: list[np.ndarray], row: int) -> Any:
+    def _read(self, node: Any, arrays: list[np.ndarray], row: int, dtypes: list[np.dtype] | None) -> Any:
         if isinstance(node, int):
             value = arrays[node][row]
+            if dtypes is not None and dtypes[node] != value.dtype:
+                return value.astype(dtypes[node]) if isinstance(value, np.ndarray) else dtypes[node].type(value)
             return value.copy() if isinstance(value, np.ndarray) else value
         if node[0] == "dict":
-            return self.dict_type((key, self._read(child, arrays, row)) for key, child in zip(node[1], node[2]))
-        return tuple(self._read(child, arrays, row) for child in node[1])
+            return self.dict_type((key, self._read(child, arrays, row, dtypes)) for key, child in zip(node[1], node[2]))
+        return tuple(self._read(child, arrays, row, dtypes) for child in node[1])
 
     def conforms(self, value: Any) -> bool:
         """Whether ``value`` is stored losslessly by :meth:`write` and read back as an equal, same-typed value.
@@ -262,6 +271,36 @@ class SpaceLayout:
             _check_tuple(batch, len(node[1]), f"{self.prefix} (a tuple of batches, one per subspace)", exact=False)
             for child, item in zip(node[1], batch):
                 self._collect(child, item, leaves, num_envs)
+
+
+def action_buffer_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype of the buffer that carries actions of a field of ``dtype`` to the workers: wide
+    enough to hold the values of a batch of another numeric dtype exactly, so that envs can get
+    the batch's dtype (see :func:`delivered_dtype`)."""
+    if dtype.kind == "f":
+        return np.dtype(np.float64)
+    if dtype.kind == "u" and dtype.itemsize == 8:
+        return dtype
+    if dtype.kind in "iu":
+        return np.dtype(np.int64)
+    return dtype
+
+
+def delivered_dtype(dtype: np.dtype, batch_dtype: np.dtype) -> np.dtype:
+    """The dtype in which envs get the actions of a field of ``dtype`` from a batch of
+    ``batch_dtype`` (validated by :meth:`SpaceLayout.check_batch`): the batch's, as DummyVecEnv and
+    SyncVectorEnv hand actions on, when the buffer carries its values exactly (float32 actions of
+    SB3 for an int8 MultiBinary space, float64 ones for a float32 Box), else the field's."""
+    if batch_dtype == dtype:
+        return dtype
+    kind, size = batch_dtype.kind, batch_dtype.itemsize
+    if dtype.kind == "f":
+        exact = kind == "f" and size <= 8 or kind in "biu" and size <= 4
+    elif dtype.kind in "iu":
+        exact = kind in "biuf" and size <= 8  # the batch's values are integers in the field's range
+    else:
+        exact = False
+    return batch_dtype if exact else dtype
 
 
 def _store(field: Field, array: np.ndarray, row: int, value: Any) -> None:

@@ -147,9 +147,13 @@ class EnvBlock:
         self.read_obs = buffers.obs_layout.reader(buffers.obs)
         self.write_final_obs = buffers.final_obs_layout.writer(buffers.final_obs)
         if buffers.act_layout.buffered:
-            self.read_action = buffers.act_layout.reader(buffers.actions)
+            self.set_action_dtypes([field.dtype for field in buffers.act_layout.fields])
         else:
             self.read_action = lambda row: self.pending_actions[row - self.row0]
+
+    def set_action_dtypes(self, dtypes: list[np.dtype]) -> None:
+        """Give envs their actions in ``dtypes``, one per action field (the buffers' are wider)."""
+        self.read_action = self.buffers.act_layout.reader(self.buffers.actions, list(dtypes))
 
     def step(self) -> dict | None:
         """Step every env with its action row; returns what could not go through the buffers."""
@@ -560,6 +564,9 @@ class Worker:
     def actions(self, request: protocol.Actions) -> None:
         self.block.pending_actions = request.actions
 
+    def action_dtypes(self, request: protocol.ActionDtypes) -> None:
+        self.block.set_action_dtypes(request.dtypes)
+
     def reset(self, request: protocol.Reset) -> dict | None:
         return self.block.reset(request.seeds, request.options, request.mask)
 
@@ -629,6 +636,7 @@ HANDLERS: dict[type, Callable[[Worker, Any], Any]] = {
     protocol.Init: Worker.init,
     protocol.Attach: Worker.attach,
     protocol.Actions: Worker.actions,
+    protocol.ActionDtypes: Worker.action_dtypes,
     protocol.Reset: Worker.reset,
     protocol.Preload: Worker.preload,
     protocol.Deploy: Worker.deploy,

@@ -22,7 +22,7 @@ class ClusterVecEnv(VecEnv):
     ``step_async`` returns at once while the workers step their blocks of envs in parallel. Episodes
     reset automatically as in ``DummyVecEnv``: the info of a finished env holds
     ``terminal_observation`` and ``TimeLimit.truncated``, and ``reset_infos`` the reset's info.
-    Envs receive actions in the action space's dtype.
+    Envs receive actions in the dtype they are passed in, as from ``DummyVecEnv``.
 
     :param env_fns: callables that build the environments (closures work: they are cloudpickled)
     :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,

@@ -242,6 +242,31 @@ class SlowCloseEnv(gym.Wrapper):
         super().close()
 
 
+class LightsEnv(gym.Env):
+    """Toggle 3 lights to match a target (MultiBinary actions); pressing costs 0.3 times the mean
+    of the action, so the reward's last bits depend on the action's dtype."""
+
+    observation_space = spaces.Box(0.0, 1.0, (6,), np.float32)
+    action_space = spaces.MultiBinary(3)
+
+    def _obs(self):
+        return np.concatenate([self.state, self.target]).astype(np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.state = self.np_random.integers(0, 2, 3)
+        self.target = self.np_random.integers(0, 2, 3)
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        self.state = np.logical_xor(self.state, action).astype(np.int64)
+        solved = bool(np.all(self.state == self.target))
+        cost = 0.3 * action.mean()  # float32 arithmetic for float32 actions, float64 for integers
+        return self._obs(), float(solved) - float(cost), solved, self.t >= 10, {}
+
+
 class SameReprKey:
     """A Dict space key whose repr is that of every other such key (they differ by ``value``)."""
 
@@ -311,9 +336,10 @@ class EchoActionEnv(gym.Env):
     Episodes end every 5 steps; observations come from the env's RNG.
     """
 
-    def __init__(self, action_space: spaces.Space) -> None:
+    def __init__(self, action_space: spaces.Space, check_action: bool = True) -> None:
         self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         self.action_space = copy.deepcopy(action_space)
+        self.check_action = check_action  # Box.contains refuses float64 actions for a float32 Box
         self.t = 0
 
     def reset(self, *, seed=None, options=None):
@@ -322,7 +348,7 @@ class EchoActionEnv(gym.Env):
         return self.np_random.uniform(-1, 1, 2).astype(np.float32), {}
 
     def step(self, action):
-        assert self.action_space.contains(action), f"{action!r} is not in {self.action_space}"
+        assert not self.check_action or self.action_space.contains(action), f"{action!r} is not in {self.action_space}"
         self.t += 1
         obs = self.np_random.uniform(-1, 1, 2).astype(np.float32)
         return obs, float(self.t), self.t % 5 == 0, False, {"action": action}
@@ -491,7 +517,7 @@ class FuzzEnv(gym.Env):
     def step(self, action):
         with warnings.catch_warnings():  # Box.contains warns about numpy scalars for 0-d spaces
             warnings.simplefilter("ignore")
-            assert self.action_space.contains(action), f"{action!r} is not in {self.action_space}"
+            assert not self.check_action or self.action_space.contains(action), f"{action!r} is not in {self.action_space}"
         self.t += 1
         terminated = bool(self.np_random.random() < self.terminate_p)
         truncated = self.t >= self.max_steps

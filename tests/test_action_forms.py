@@ -8,6 +8,7 @@ their action in the info, so comparing infos compares what each env received.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import gymnasium as gym
 import numpy as np
@@ -44,9 +45,9 @@ def _env_fns(name: str) -> list:
     return [functools.partial(EchoActionEnv, ACTION_SPACES[name])] * NUM_ENVS
 
 
-def _step_both_with_sampled_batches(name: str, steps: int, batch_of=lambda sample: sample) -> None:
+def _step_both_with_sampled_batches(name: str, steps: int, batch_of=lambda sample: sample, env_fns=None) -> None:
     """ClusterVectorEnv and SyncVectorEnv stepped with ``batch_of`` each sampled batch: the same results."""
-    env_fns = _env_fns(name)
+    env_fns = env_fns or _env_fns(name)
     sync = gym.vector.SyncVectorEnv(env_fns)
     cluster = ClusterVectorEnv(env_fns, num_workers=2)
     with cluster:
@@ -61,6 +62,35 @@ def _step_both_with_sampled_batches(name: str, steps: int, batch_of=lambda sampl
 @pytest.mark.parametrize("name", list(ACTION_SPACES))
 def test_vector_env_splits_batches_as_sync_vector_env(name):
     _step_both_with_sampled_batches(name, 12)
+
+
+# Batches of another dtype than the space's, every other step: envs get the batch's dtype, as from
+# the baselines (SB3's PPO sends float32 actions for an int8 MultiBinary space).
+OTHER_DTYPES = {
+    "box": np.float64,
+    "discrete": np.int32,
+    "multi_discrete": np.float32,
+    "multi_binary": np.float32,
+    "tuple": np.bool_,
+}
+
+
+def _alternately_as(dtype):
+    """Every other batch cast to ``dtype``, leaf by leaf."""
+    count = itertools.count()
+    return lambda batch: _cast_leaves(batch, dtype) if next(count) % 2 else batch
+
+
+def _cast_leaves(batch, dtype):
+    if isinstance(batch, tuple):
+        return tuple(_cast_leaves(item, dtype) for item in batch)
+    return np.asarray(batch).astype(dtype)
+
+
+@pytest.mark.parametrize("name", list(OTHER_DTYPES))
+def test_vector_env_hands_actions_on_in_the_batchs_dtype(name):
+    env_fns = [functools.partial(EchoActionEnv, ACTION_SPACES[name], check_action=False)] * NUM_ENVS
+    _step_both_with_sampled_batches(name, 8, _alternately_as(OTHER_DTYPES[name]), env_fns)
 
 
 def _with_extra_entries(space: spaces.Space, batch):
@@ -118,6 +148,28 @@ def _sb3_vec_envs():
     from clusterenv_sb3 import ClusterVecEnv
 
     return DummyVecEnv, ClusterVecEnv
+
+
+@pytest.mark.parametrize("name", ["box", "discrete", "multi_discrete", "multi_binary"])
+def test_vec_env_hands_actions_on_in_the_batchs_dtype(name):
+    env_fns = [functools.partial(EchoActionEnv, ACTION_SPACES[name], check_action=False)] * NUM_ENVS
+    space = ACTION_SPACES[name]
+    space.seed(5)
+    DummyVecEnv, ClusterVecEnv = _sb3_vec_envs()
+    dummy, cluster = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=2)
+    try:
+        dummy.seed(6)
+        cluster.seed(6)
+        assert_same(cluster.reset(), dummy.reset(), "reset")
+        for step in range(8):
+            actions = np.stack([space.sample() for _ in range(NUM_ENVS)])
+            if step % 2:
+                actions = actions.astype(OTHER_DTYPES[name])
+            for label, got, want in zip(("obs", "rewards", "dones", "infos"), cluster.step(actions), dummy.step(actions)):
+                assert_same(got, want, f"{label} at step {step}")
+    finally:
+        dummy.close()
+        cluster.close()
 
 
 @pytest.mark.parametrize("name", list(ACTION_SPACES))

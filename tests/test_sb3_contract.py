@@ -17,7 +17,15 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMoni
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
-from tests.envs import CallCounter, InPlaceStateEnv, MaskedObsEnv, OrderedInfoEnv, SpacesEnv, make_dict_env  # noqa: E402
+from tests.envs import (  # noqa: E402
+    CallCounter,
+    InPlaceStateEnv,
+    LightsEnv,
+    MaskedObsEnv,
+    OrderedInfoEnv,
+    SpacesEnv,
+    make_dict_env,
+)
 
 STEPS = 2000
 
@@ -226,6 +234,24 @@ def test_ppo_parameters_identical_to_dummy_vec_env(cluster_kwargs):
     torch.set_num_threads(1)
     expected, actual = train(DummyVecEnv), train(ClusterVecEnv, **cluster_kwargs)
     assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def test_ppo_with_multibinary_actions_identical_to_dummy_vec_env():
+    # SB3's policy sends float32 actions for the int8 MultiBinary space; the env's reward uses them.
+    import torch
+    from stable_baselines3 import PPO
+
+    def train(vec_env_cls):
+        venv = make_vec_env(LightsEnv, n_envs=2, seed=0, vec_env_cls=vec_env_cls)
+        model = PPO("MlpPolicy", venv, n_steps=32, batch_size=32, n_epochs=2, seed=0, device="cpu", policy_kwargs={"net_arch": [16]})
+        model.learn(total_timesteps=256)
+        venv.close()
+        return model.policy.state_dict()
+
+    torch.set_num_threads(1)
+    expected, actual = train(DummyVecEnv), train(ClusterVecEnv)
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name
 

@@ -25,6 +25,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views,
 from clusterenv_core.launch import flush_standard_streams
 from clusterenv_core.protocol import OK, STEP, dumps, loads
 from clusterenv_core.transports.base import WorkerConnection
+from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
 from clusterenv_core.transports.mpi.runtime import (
     HOST,
     State,
@@ -33,7 +34,6 @@ from clusterenv_core.transports.mpi.runtime import (
     pid_alive,
     unlink_shared_memory_names,
 )
-from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
 from clusterenv_core.transports.mpi.waiting import Doorbell, PeerGone, Probe, poll
 from clusterenv_core.transports.mpi.wire import (
     ALIGN,
@@ -42,11 +42,11 @@ from clusterenv_core.transports.mpi.wire import (
     TAG_BELL,
     TAG_CONFIG,
     TAG_HELLO,
+    TAG_PAYLOAD,
     TAG_REPLY,
     TAG_REQUEST,
     TAG_RESULT,
     TAG_STEP,
-    TAG_PAYLOAD,
     address,
     block_type,
     result_arrays,
