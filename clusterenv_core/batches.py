@@ -203,12 +203,13 @@ class AsyncBatches:
         self._has_action[block.start : block.stop] = False
         if pool._restarter is not None:
             pool._restarter.remember_step_start(block)
+        pool._awaiting[worker] = None  # before the send: see EnvPool._send
+        self._stepping.append(worker)
         try:
             pool._transport.send_step(worker)
         except (WorkerLostError, WorkerTimeoutError) as error:
+            del pool._awaiting[worker]
             pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
-        pool._awaiting[worker] = None
-        self._stepping.append(worker)
         self._started_at[worker] = time.monotonic()
 
     def recv(self) -> BatchResult:

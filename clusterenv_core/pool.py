@@ -177,7 +177,7 @@ class EnvPool(DeprecatedPoolMethods):
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, transport, self._awaiting, self.timeout)
+        self._finalizer = weakref.finalize(self, _shutdown, transport, self._awaiting, self.timeout, os.getpid())
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
         try:
@@ -290,12 +290,12 @@ class EnvPool(DeprecatedPoolMethods):
             self._restarter.remember_step_start()
         transport = self._transport
         for worker in range(self.num_workers):
+            self._awaiting[worker] = None  # before the send, as in _send
             try:
                 transport.send_step(worker)
             except (WorkerLostError, WorkerTimeoutError) as error:
+                del self._awaiting[worker]
                 self._lost_in_step(worker, error)
-                continue
-            self._awaiting[worker] = None
         self._stepping = True
 
     def _set_action_dtypes(self, dtypes: list[np.dtype], workers: Iterable[int] | None = None) -> None:
@@ -556,11 +556,14 @@ class EnvPool(DeprecatedPoolMethods):
     # -- messaging (also used by WorkerActors and WorkerRestarts) ----------------------------------
 
     def _send(self, worker: int, request: protocol.Request) -> None:
+        # Awaited before it is sent: Ctrl-C raises once the request is out (sendall runs signal
+        # handlers after writing), and its reply must still be read as this request's.
+        self._awaiting[worker] = type(request)
         try:
             self._transport.send(worker, request)
         except ClusterEnvError as error:
+            self._awaiting.pop(worker, None)
             raise self._fail(error)
-        self._awaiting[worker] = type(request)
 
     def _gather(
         self,
@@ -739,7 +742,7 @@ def _read_reply(transport: Transport, worker: int, request_type: type | None, ti
     return status, result
 
 
-def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: float) -> EnvError | None:
+def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: float, owner: int) -> EnvError | None:
     """Ask every worker to close its envs and exit, then make sure they have; returns the error of
     the first env whose ``close()`` raised.
 
@@ -748,7 +751,11 @@ def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: f
     ``timeout`` seconds (at least as long), again one deadline for all, as closing an env may take
     a while (a video recorder finishing its file). Those that do not are killed. Kept apart from the
     pool so that it can run as the pool's finalizer at interpreter exit (which drops what it returns).
+    In a process forked from the ``owner`` (a data loader's worker, say) it does nothing: the
+    workers are the owner's.
     """
+    if os.getpid() != owner:
+        return None
     deadline = time.monotonic() + _CLOSE_TIMEOUT
 
     def remaining(floor: float = 0.01) -> float:  # the floor still reads replies already there

@@ -20,6 +20,7 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
 from tests.envs import (
+    CallCounter,
     ChildStartingEnv,
     CrashingEnv,
     FailingCloseEnv,
@@ -509,6 +510,30 @@ def test_interpreter_exit_closes_the_pool(no_leaks, tmp_path):
     assert not any(psutil.pid_exists(pid) for pid in pids)
 
 
+def test_a_forked_child_exiting_leaves_the_pool_to_its_parent(no_leaks, tmp_path):
+    script = tmp_path / "fork.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gymnasium as gym, functools, os, sys
+            import numpy as np
+            from clusterenv_core import EnvPool
+            pool = EnvPool([functools.partial(gym.make, "CartPole-v1")] * 2, num_workers=2)
+            pool.reset(seeds=[0, 1])
+            child = os.fork()
+            if child == 0:
+                sys.exit(0)  # exits as a Python process does: its exit handlers run
+            os.waitpid(child, 0)
+            print(pool.step(np.zeros(2, np.int64)).rewards.tolist())
+            pool.close()
+            """
+        )
+    )
+    output = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert output.returncode == 0, output.stderr
+    assert output.stdout.strip() == "[1.0, 1.0]"
+
+
 def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
     script = tmp_path / "learner.py"
     script.write_text(
@@ -570,6 +595,35 @@ def test_step_after_close_fails_clearly(no_leaks):
     pool.close()
     with pytest.raises(ClusterEnvError, match="closed"):
         _step_zeros(pool)
+
+
+def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired(no_leaks, monkeypatch):
+    # CPython's sendall runs signal handlers after writing: the request is out when Ctrl-C raises.
+    from clusterenv_core.transports import local
+
+    send_frame = local._MessageSocket.send_frame
+    armed = []
+
+    def interrupted_after_sending(self, frame):
+        send_frame(self, frame)
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
+    pool = EnvPool([lambda: CallCounter(gym.make("CartPole-v1"))] * 2, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+        pool.call("bump", indices=[0])
+    assert pool.get_attr("calls") == [1, 0]  # the call's reply was read as its own, not as this one's
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+        _step_zeros(pool)  # worker 0 got its step, worker 1 none
+    assert pool.get_attr("calls") == [1, 0]
+    assert pool.call("bump", (2,)) == [3, 2]
+    assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+    pool.close()
 
 
 def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
