@@ -120,9 +120,6 @@ class AsyncBatches:
         self._has_action[:] = False
         self._ready = deque(range(self.pool.num_envs))
         self._infos = {index: info for index, info in result.infos.items()}
-        self.pool.buffers.rewards[:] = 0.0
-        self.pool.buffers.terminated[:] = False
-        self.pool.buffers.truncated[:] = False
         self._started = True
 
     def reset_envs(self, env_ids: Any) -> tuple[Any, dict[int, dict]]:
@@ -135,8 +132,6 @@ class AsyncBatches:
         mask = np.zeros(pool.num_envs, dtype=bool)
         mask[env_ids] = True
         workers = self._workers_of(env_ids)
-        if pool._restarter is not None:
-            pool._restarter.note_reset(mask)
         pool._drain(keep_steps=True)  # replies an interrupted call left unread come first
         for worker in workers:
             block = pool.blocks[worker]

@@ -384,8 +384,6 @@ class EnvPool(DeprecatedPoolMethods):
             if mask.shape != (self.num_envs,) or mask.dtype != np.bool_:
                 raise ValueError(f"mask must be a bool array of shape ({self.num_envs},), got {mask.dtype} {mask.shape}")
         self._drain()
-        if self._restarter is not None:
-            self._restarter.note_reset(mask)
         targets = []
         for worker, block in enumerate(self.blocks):
             block_mask = None if mask is None else mask[block.start : block.stop].tolist()

@@ -41,11 +41,10 @@ class WorkerRestarts:
         layout = pool.buffers.obs_layout
         # Observations before the current step, to end the episodes of a replaced worker with.
         self.obs_before_step: list = [np.empty_like(array) for array in pool.buffers.obs] if layout.buffered else []
-        # next_step mode: the envs whose current step is a reset (their episode ended at their last
-        # step), which a replacement resets instead of ending a second time; and those reset by the
-        # learner since their last step, whose flags in the buffers are then stale.
+        # next_step mode: the envs whose current step is a reset (their flags say that their episode
+        # ended; a reset by the learner clears them), which a replacement resets instead of ending a
+        # second time.
         self.reset_step_due = np.zeros(pool.num_envs, dtype=bool)
-        self.reset_since_step = np.ones(pool.num_envs, dtype=bool)
 
     def may_replace(self, worker: int) -> bool:
         return self.counts[worker] < self.pool.max_restarts
@@ -63,14 +62,7 @@ class WorkerRestarts:
         else:
             self.obs_before_step = list(pool._obs)
         if pool.autoreset_mode == "next_step":
-            due = self.reset_step_due[rows]
-            np.logical_or(buffers.terminated[rows], buffers.truncated[rows], out=due)
-            due &= ~self.reset_since_step[rows]
-            self.reset_since_step[rows] = False
-
-    def note_reset(self, mask: np.ndarray | None = None) -> None:
-        """The learner reset the envs of ``mask`` (all when ``None``): their next step is no reset."""
-        self.reset_since_step[slice(None) if mask is None else mask] = True
+            np.logical_or(buffers.terminated[rows], buffers.truncated[rows], out=self.reset_step_due[rows])
 
     def replace_lost(self) -> dict[int, dict]:
         """Replace every worker lost in this step; returns each one's step result."""

@@ -290,7 +290,15 @@ class EnvBlock:
         )
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
-        """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options."""
+        """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options; their
+        rows then say reward 0, neither terminated nor truncated, as after the reset step of
+        ``next_step`` mode.
+
+        :param seeds: one seed (or ``None``) per env of the block
+        :param options: one options dict (or ``None``) per env of the block
+        :param mask: one bool per env of the block, or ``None`` for all
+        """
+        buffers = self.buffers
         infos: dict[int, dict] = {}
         pickled_obs: dict[int, Any] = {}
         for slot, env in enumerate(self.envs):
@@ -306,6 +314,12 @@ class EnvBlock:
             except BaseException as error:
                 raise RemoteFailure(slot, "reset", error) from error
             self.needs_reset[slot] = False
+            # Where memory is not shared (MPI) the block's rows go back with the reply: the ended
+            # step's reward and flags would overwrite the learner's rows of a fresh episode.
+            row = self.row0 + slot
+            buffers.rewards[row] = 0.0
+            buffers.terminated[row] = False
+            buffers.truncated[row] = False
             index = self.first_index + slot
             if not self.obs_layout.buffered:
                 pickled_obs[index] = self.last_pickled_obs[slot] = obs

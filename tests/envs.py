@@ -583,6 +583,20 @@ class StateInInfoEnv(gym.Env):
         return self.position.astype(np.float32), 0.0, False, False, {"position": self.position}
 
 
+class OneStepEnv(gym.Env):
+    """Every episode is one step, which terminates with reward 1."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.ones(2, np.float32), 1.0, True, False, {}
+
+
 class InPlaceStateEnv(gym.Env):
     """Returns its one state array from ``step`` and ``reset`` and changes it in place, as
     hand-written envs often do; episodes truncate after 3 steps."""

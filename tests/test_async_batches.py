@@ -24,6 +24,7 @@ from tests.envs import (
     FailingEnv,
     HangingEnv,
     JitteryEnv,
+    OneStepEnv,
     ResetFailingEnv,
     SlowCartPole,
     SuicidalEnv,
@@ -259,6 +260,31 @@ def test_reset_of_returned_envs_while_others_step():
     finally:
         envs.close()
     assert envs.closed
+
+
+def check_reset_envs_leaves_the_rest_of_the_block_as_reset(**pool_kwargs) -> None:
+    """After a step that ended every episode (reward 1, terminated), ``reset`` then ``reset_envs`` of
+    one env: the other env of its block, still to be returned, shows its reset (reward 0, no flags).
+    On MPI the worker's stale rows of the ended step came back with the reset of its neighbour."""
+    with EnvPool([OneStepEnv] * 4, num_workers=2, autoreset_mode="next_step", **pool_kwargs) as pool:
+        batches = pool.async_batches(1)
+        batches.reset()
+        for _ in range(4):
+            batches.send(np.zeros(1, dtype=np.int64), batches.recv().env_ids)
+        for _ in range(4):
+            ended = batches.recv()  # recv reuses its arrays: checked one by one
+            assert (ended.rewards[0], ended.terminated[0]) == (1.0, True)
+        batches.reset()
+        first = batches.recv()
+        assert list(first.env_ids) == [0]
+        batches.reset_envs(first.env_ids)
+        second = batches.recv()
+        assert list(second.env_ids) == [1]
+        assert (second.rewards[0], second.terminated[0], second.truncated[0]) == (0.0, False, False)
+
+
+def test_reset_envs_leaves_the_rest_of_the_block_as_reset():
+    check_reset_envs_leaves_the_rest_of_the_block_as_reset()
 
 
 def test_env_error_names_the_env_and_its_block_waits_for_actions():

@@ -156,7 +156,7 @@ def test_async_batches_on_mpi():
     """Asynchronous batches (tests/test_async_batches.py) with spawned MPI workers."""
     code, output, _ = launch("spawn", "async_batches.py")
     assert code == 0, output
-    for check in ("trajectories", "partial blocks", "no starvation", "unread reply", "lost rank"):
+    for check in ("trajectories", "partial blocks", "no starvation", "unread reply", "reset_envs rows", "lost rank"):
         assert f"OK async {check}" in output, output
 
 

@@ -26,6 +26,8 @@ if __name__ == "__main__":
     print("OK async no starvation", flush=True)
     test_async_batches.check_reply_left_unread_is_no_timeout(backend="mpi")
     print("OK async unread reply", flush=True)
+    test_async_batches.check_reset_envs_leaves_the_rest_of_the_block_as_reset(backend="mpi")
+    print("OK async reset_envs rows", flush=True)
     # Last: a dead spawned rank takes MPICH's process manager (and every spawn of this process) down.
     test_async_batches.check_lost_or_stuck_worker_is_reported("dies", lost_within=2.0, backend="mpi")
     print("OK async lost rank", flush=True)
