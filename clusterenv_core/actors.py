@@ -135,7 +135,7 @@ class WorkerActors:
         for worker, block in enumerate(pool.blocks):
             self._deliver_weights(worker)
             request = protocol.Rollout(n_steps, dict(context or {}), region.handle, block, pool.num_envs, timeout / 4)
-            pool._send(worker, request)
+            pool._send(worker, request, reply_arrays=[array[block.start : block.stop] for array in region.all])
         self._pending = region
         self._pending_timeout = timeout
 
@@ -151,13 +151,8 @@ class WorkerActors:
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
-
-        def receive_segment(worker: int) -> None:
-            block = pool.blocks[worker]
-            pool._transport.recv_arrays(worker, [array[block.start : block.stop] for array in region.all], timeout)
-
         try:
-            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout, on_reply=receive_segment)
+            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout)
         finally:
             # Interrupted (Ctrl-C) with replies unread, the rollout stays pending: rollout_wait resumes
             # it, and any other call of the pool first finishes it.

@@ -171,13 +171,17 @@ class EnvPool(DeprecatedPoolMethods):
         self._transport: Transport = transport
         # Per worker whose reply is still unread: the type of its request (None: a step).
         self._awaiting: dict[int, type | None] = {}
+        # Per worker whose unread reply is followed by arrays (REPLY_ARRAYS): the arrays they go into.
+        self._reply_arrays: dict[int, list] = {}
         self._failure: ClusterEnvError | None = None
         self._stepping = False
         self._wait_interrupted = False  # step_wait was interrupted with replies unread
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, transport, self._awaiting, self.timeout, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, _shutdown, transport, self._awaiting, self._reply_arrays, self.timeout, os.getpid()
+        )
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
         try:
@@ -553,14 +557,22 @@ class EnvPool(DeprecatedPoolMethods):
 
     # -- messaging (also used by WorkerActors and WorkerRestarts) ----------------------------------
 
-    def _send(self, worker: int, request: protocol.Request) -> None:
+    def _send(self, worker: int, request: protocol.Request, reply_arrays: list | None = None) -> None:
+        """Send ``request`` to ``worker``; its reply is read by :meth:`_gather` or :meth:`_drain`.
+
+        :param reply_arrays: for a request whose reply is followed by arrays (``REPLY_ARRAYS``), the
+            arrays (views of a region) they are received into, whoever reads the reply
+        """
         # Awaited before it is sent: Ctrl-C raises once the request is out (sendall runs signal
         # handlers after writing), and its reply must still be read as this request's.
         self._awaiting[worker] = type(request)
+        if reply_arrays is not None:
+            self._reply_arrays[worker] = reply_arrays
         try:
             self._transport.send(worker, request)
         except ClusterEnvError as error:
             self._awaiting.pop(worker, None)
+            self._reply_arrays.pop(worker, None)
             raise self._fail(error)
 
     def _gather(
@@ -569,24 +581,25 @@ class EnvPool(DeprecatedPoolMethods):
         what: str,
         step: bool = False,
         timeout: float | None = None,
-        on_reply: Callable[[int], None] | None = None,
     ) -> dict[int, Any]:
         """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
         first env) is raised once all have answered. With ``step``, the envs the replies say were
         replaced are counted, also those of replies that end in an error.
 
-        Rows that follow a reply (see :mod:`clusterenv_core.protocol`) land in the buffers first;
-        ``on_reply(worker)`` runs after each successful reply (to receive arrays that follow it).
+        Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
+        buffers and in the arrays given to :meth:`_send` first.
         """
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
         results: dict[int, Any] = {}
         first_error: EnvError | None = None  # of the lowest-numbered worker that failed
-        awaiting = self._awaiting
+        awaiting, reply_arrays = self._awaiting, self._reply_arrays
         for worker in workers:
             request_type = awaiting.get(worker)
             try:
-                status, result = _read_reply(transport, worker, request_type, _reply_timeout(request_type, timeout))
+                status, result = _read_reply(
+                    transport, worker, request_type, _reply_timeout(request_type, timeout), reply_arrays.get(worker)
+                )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not step:
                     raise self._fail(error)
@@ -594,6 +607,7 @@ class EnvPool(DeprecatedPoolMethods):
                 self._lost_in_step(worker, error)
                 continue
             awaiting.pop(worker, None)
+            reply_arrays.pop(worker, None)
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
                     first_error = _remote_error(worker, result, what)
@@ -603,8 +617,6 @@ class EnvPool(DeprecatedPoolMethods):
                 results[worker] = result
                 if step and result is not None:  # counted here: an error of another worker may follow
                     self._count_env_restarts(result)
-                if on_reply is not None:
-                    on_reply(worker)
         if first_error is not None:
             raise first_error
         return results
@@ -622,11 +634,13 @@ class EnvPool(DeprecatedPoolMethods):
             request_type = self._awaiting[worker]
             if keep_steps and request_type is None:
                 continue
+            timeout = _reply_timeout(request_type, self.timeout)
             try:
-                _read_reply(self._transport, worker, request_type, _reply_timeout(request_type, self.timeout))
+                _read_reply(self._transport, worker, request_type, timeout, self._reply_arrays.get(worker))
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
             del self._awaiting[worker]
+            self._reply_arrays.pop(worker, None)
         if not keep_steps:
             self._stepping = False
 
@@ -728,21 +742,39 @@ def _remote_error(worker: int, details: protocol.ErrorDetails, what: str) -> Env
     return error_class(details.env_index, worker, operation, details.exc_type, details.message, details.traceback)
 
 
-def _read_reply(transport: Transport, worker: int, request_type: type | None, timeout: float) -> tuple[str, Any]:
+def _read_reply(
+    transport: Transport, worker: int, request_type: type | None, timeout: float, arrays: list | None = None
+) -> tuple[str, Any]:
     """The worker's reply to a request of ``request_type`` (``None``: a step), read past its progress
-    reports (each restarts the ``timeout``), with the result rows that follow it."""
+    reports (each restarts the ``timeout``), with the result rows and arrays that follow it.
+
+    :param arrays: where the arrays that follow the reply of a ``REPLY_ARRAYS`` request go (the
+        arrays given to ``EnvPool._send``); left unreceived, they would stay queued in the
+        transport, and a large one keeps the worker from reading its next request (MPI)
+    """
     recv = transport.recv_step if request_type is None else transport.recv
     status, result = recv(worker, timeout)
     while status == PROGRESS:
         status, result = recv(worker, timeout)
-    if status == OK and request_type is not None and request_type.REPLY_ROWS:
-        transport.recv_rows(worker, timeout)
+    if status == OK and request_type is not None:
+        if request_type.REPLY_ROWS:
+            transport.recv_rows(worker, timeout)
+        if request_type.REPLY_ARRAYS:
+            transport.recv_arrays(worker, arrays, timeout)
     return status, result
 
 
-def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: float, owner: int) -> EnvError | None:
+def _shutdown(
+    transport: Transport, awaiting: dict[int, type | None], reply_arrays: dict[int, list], timeout: float, owner: int
+) -> EnvError | None:
     """Ask every worker to close its envs and exit, then make sure they have; returns the error of
     the first env whose ``close()`` raised.
+
+    :param transport: the pool's transport
+    :param awaiting: the pool's unread replies: the type of each worker's request (``None``: a step)
+    :param reply_arrays: where the arrays that follow some of those replies go (a rollout's segment)
+    :param timeout: the pool's timeout
+    :param owner: the process id of the pool's process
 
     Workers still busy with a request (a stuck step, say) have ``_CLOSE_TIMEOUT`` seconds to answer
     it, one deadline for all however many are stuck; the workers asked to close then have
@@ -767,7 +799,7 @@ def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: f
                 continue
             try:
                 if worker in awaiting:  # a pending reply first, so the close reply is the next one
-                    _read_reply(transport, worker, awaiting.pop(worker), remaining())
+                    _read_reply(transport, worker, awaiting.pop(worker), remaining(), reply_arrays.pop(worker, None))
                 transport.send(worker, protocol.Close())
                 asked.append(worker)
             except ClusterEnvError:
@@ -783,5 +815,6 @@ def _shutdown(transport: Transport, awaiting: dict[int, type | None], timeout: f
                 first_error = _remote_error(worker, result, "close")
     finally:
         awaiting.clear()
+        reply_arrays.clear()  # views of regions that the transport unmaps
         transport.close(remaining(floor=1.0), closed)  # a second for the closed ones to exit
     return first_error

@@ -212,6 +212,15 @@ def test_no_spawn_after_close_killed_a_stuck_rank():
     assert match and float(match.group(1)) < 1.0, output
 
 
+def test_close_receives_the_segments_of_a_pending_rollout():
+    """A rollout started and not waited for: close() receives its segments, so no message is left
+    unmatched (UCX warned of each) and no worker is kept from its close request (a large segment
+    made close() kill the rank, after which the process could not spawn)."""
+    code, output, _ = launch("spawn", "faults.py", "close_pending_rollout")
+    assert code == 0 and "OK close_pending_rollout" in output, output
+    assert "unexpected tag-receive" not in output, output
+
+
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_worker_death_ends_the_job(mode):
     """Under mpiexec a dead rank makes MPICH kill the whole job, learner included: bounded, not a hang."""
