@@ -7,12 +7,12 @@ are already in the shared buffers or travel as one buffer message.
 
 A reply is ``(OK, result)``, ``(ERROR, ErrorDetails)``, or, during a long operation (a rollout
 segment), any number of interim ``(PROGRESS, steps_done)`` before the final one. What else travels
-is declared per request type, so that backends move it without knowing any operation:
+after a reply is declared per request type, so that backends move it without knowing any
+operation (arrays that follow a request, policy weights where memory is not shared, are sent by the
+request's caller with ``Transport.send_arrays`` and received by its handler):
 
 - ``REPLY_ROWS``: an ``OK`` reply is followed by the worker's result rows (observations, rewards,
   flags): ``WorkerConnection.send_rows`` / ``Transport.recv_rows``.
-- ``REQUEST_ARRAYS``: the message is followed by arrays of a region (policy weights), when the
-  backend does not share memory: ``Transport.send_arrays`` / ``WorkerConnection.recv_arrays``.
 - ``REPLY_ARRAYS``: an ``OK`` reply is followed by arrays of a region (the worker's rows of a
   rollout segment): ``WorkerConnection.send_arrays`` / ``Transport.recv_arrays``.
 
@@ -51,7 +51,6 @@ class Request:
     """Base of the request types: what the backends may ask of one."""
 
     REPLY_ROWS: ClassVar[bool] = False
-    REQUEST_ARRAYS: ClassVar[bool] = False
     REPLY_ARRAYS: ClassVar[bool] = False
     #: answering may mean importing large modules (torch): the pool waits for the reply at least as
     #: long as for a starting worker, whatever its own timeout
@@ -124,7 +123,6 @@ class Preload(Request):
 class Deploy(Request):
     """Load the cloudpickled ``policy`` and map its weights region."""
 
-    REQUEST_ARRAYS: ClassVar[bool] = True  # the weights, where memory is not shared (``deliver``)
     IMPORTS: ClassVar[bool] = True
 
     policy: bytes
@@ -137,8 +135,6 @@ class Deploy(Request):
 @dataclass(frozen=True)
 class Weights(Request):
     """New weights follow as arrays (backends that do not share memory)."""
-
-    REQUEST_ARRAYS: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
