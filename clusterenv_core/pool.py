@@ -793,6 +793,7 @@ def _shutdown(
 
     asked, closed = [], set()
     first_error = None
+    interrupted = False
     try:
         for worker in range(transport.num_workers):
             if worker in transport.failed:
@@ -813,8 +814,11 @@ def _shutdown(
             closed.add(worker)
             if status == ERROR and first_error is None:
                 first_error = _remote_error(worker, result, "close")
+    except KeyboardInterrupt:
+        interrupted = True  # Ctrl-C at a close that takes long: the workers are killed now
+        raise
     finally:
         awaiting.clear()
         reply_arrays.clear()  # views of regions that the transport unmaps
-        transport.close(remaining(floor=1.0), closed)  # a second for the closed ones to exit
+        transport.close(0.0 if interrupted else remaining(floor=1.0), closed)  # a second for the closed ones to exit
     return first_error

@@ -267,6 +267,14 @@ class LightsEnv(gym.Env):
         return self._obs(), float(solved) - float(cost), solved, self.t >= 10, {}
 
 
+class ThreadLeavingEnv(gym.Wrapper):
+    """CartPole that leaves a non-daemon thread running for ``seconds`` (its process cannot exit sooner)."""
+
+    def __init__(self, env: gym.Env, seconds: float) -> None:
+        super().__init__(env)
+        threading.Thread(target=time.sleep, args=(seconds,), daemon=False).start()
+
+
 class SameReprKey:
     """A Dict space key whose repr is that of every other such key (they differ by ``value``)."""
 

@@ -30,6 +30,7 @@ from tests.envs import (
     SlowCartPole,
     SlowCloseEnv,
     SuicidalEnv,
+    ThreadLeavingEnv,
     UnprintableFailureEnv,
 )
 from tests.interrupts import interrupt_soon
@@ -411,6 +412,24 @@ def test_close_lets_envs_take_their_time_to_close(no_leaks, tmp_path):
     assert all(os.path.exists(path) for path in paths)
 
 
+@pytest.mark.parametrize("where", ["closing its envs", "exiting"])
+def test_ctrl_c_during_close_kills_the_workers_and_releases_everything(no_leaks, tmp_path, where):
+    # An env that takes 60 s to close, or a thread that keeps its worker from exiting for 60 s.
+    if where == "closing its envs":
+        env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=60.0, path=str(tmp_path / "never"))] * 2
+    else:
+        env_fns = [functools.partial(_wrapped, ThreadLeavingEnv, seconds=60.0)] * 2
+    pool = EnvPool(env_fns, num_workers=2, timeout=30.0)
+    pool.reset()
+    interrupt_soon(1.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert time.monotonic() - started < 5
+    pool.close()  # nothing left to do
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("clusterenv")]
+
+
 def test_an_env_failing_to_close_is_raised_once_everything_is_released(no_leaks):
     pool = EnvPool([CARTPOLE, CARTPOLE, functools.partial(_wrapped, FailingCloseEnv)], num_workers=2)
     pool.reset()
@@ -560,6 +579,34 @@ def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
         time.sleep(0.05)
     assert not any(psutil.pid_exists(pid) for pid in pids), "workers outlived their learner"
     assert _wait_until_ended([helper]), "a process an env started outlived the learner"
+
+
+def test_workers_of_a_killed_learner_end_even_with_a_hanging_env(no_leaks, tmp_path):
+    script = tmp_path / "learner.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gymnasium as gym, functools, sys
+            import numpy as np
+            sys.path.insert(0, ROOT)
+            from clusterenv_core import EnvPool
+            from tests.envs import HangingEnv
+            pool = EnvPool([lambda: HangingEnv(gym.make("CartPole-v1"), hang_at=1)] * 2, num_workers=2)
+            pool.reset()
+            print(*pool.worker_pids, flush=True)
+            pool.step(np.zeros(2, np.int64))  # hangs
+            """
+        ).replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    )
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in learner.stdout.readline().split()]
+    time.sleep(0.5)  # the workers are inside the hanging step
+    learner.kill()
+    learner.wait()
+    deadline = time.monotonic() + 20  # the workers' 10 s of grace, and a margin for a loaded machine
+    while any(not _ended(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_ended(pid) for pid in pids), "workers outlived their learner"
 
 
 def test_differing_spaces_are_rejected(no_leaks):

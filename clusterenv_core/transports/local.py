@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 _HEADER = struct.Struct("<Q")
 _LIVENESS_INTERVAL = 0.25  # seconds between checks that a silent worker process still exists
+# Seconds a worker whose learner is gone has to end by itself (its loop reads end-of-file and
+# closes its envs) before it is ended: an env that hangs, or a thread it left running, would keep
+# it forever.
+_ORPHAN_GRACE = 10.0
 
 
 def _frame(message: Any) -> bytes:
@@ -538,12 +542,21 @@ class LocalTransport(Transport):
 
     def close(self, timeout: float, closed: set[int]) -> None:
         deadline = time.monotonic() + timeout
-        for worker in self.failed:
-            self.processes[worker].kill()
+        try:
+            for worker in self.failed:
+                self.processes[worker].kill()
+            for process in self.processes:
+                try:
+                    process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:
+                    break  # the deadline passed: the rest are killed below
+        finally:
+            self._release()  # also after Ctrl-C in a wait, which is raised once everything is released
+
+    def _release(self) -> None:
+        """Kill the workers still running and free every descriptor, thread and mapping."""
         for process in self.processes:
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
+            if process.poll() is None:
                 process.kill()
                 process.wait()
             _end_process_group(process)
@@ -624,17 +637,37 @@ class LocalWorkerConnection(MemoryFileConnection):
 
     def close(self) -> None:
         self.channel.sock.close()
-        # The learner starts each worker as a session leader, so what the envs started and left
-        # running shares this process group: end it here too, for a learner that was killed and
-        # cannot. SIGTERM lets those processes clean up; this process ignores it on its way out.
-        if os.getpgrp() == os.getpid():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            os.killpg(0, signal.SIGTERM)
+        _terminate_own_group()
+
+
+def _terminate_own_group() -> None:
+    """The learner starts each worker as a session leader, so what the envs started and left
+    running shares this process group: end it here too, for a learner that was killed and cannot.
+    SIGTERM lets those processes clean up; this process ignores it on its way out."""
+    if os.getpgrp() == os.getpid():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+
+
+def _end_when_orphaned(learner: int) -> None:
+    """Once the ``learner`` process is gone (this worker's parent: it would be reparented), give the
+    worker ``_ORPHAN_GRACE`` seconds to end by itself, then end it and what its envs left running."""
+    while os.getppid() == learner:
+        time.sleep(1.0)
+    time.sleep(_ORPHAN_GRACE)
+    try:
+        print(f"clusterenv worker: the learner ended {_ORPHAN_GRACE:g} s ago and this worker has not; ending it", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr's reader was the learner
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGTERM)  # this process too (signal handlers can only be set by the main thread)
+    os._exit(1)
 
 
 def worker_connection(argv: list[str]) -> LocalWorkerConnection:
     """Build the worker side from the command line ``<socket fd> <memory fd> <spin seconds>``."""
     # Ctrl-C in a terminal reaches the whole process group; the learner handles it and closes us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_end_when_orphaned, args=(os.getppid(),), name="clusterenv-orphan-watch", daemon=True).start()
     socket_fd, memory_fd, spin = argv
     return LocalWorkerConnection(int(socket_fd), int(memory_fd), float(spin))
