@@ -3,7 +3,9 @@
 The policy is shipped once (cloudpickled module). After that, weights travel as one flat float32
 vector with a version number in a small region: the local backend shares the region, so a worker
 picks up new weights at its next step; other backends copy the region to each worker. Reads and
-writes follow a sequence lock, so a worker never loads half-written weights.
+writes follow a sequence lock, so a worker never loads half-written weights; a worker kept waiting
+by a write asks now and then whether the learner lives (one killed mid-write never ends it), and
+ends when it is gone.
 
 A deployable policy is a ``torch.nn.Module`` with
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,14 @@ import numpy as np
 from clusterenv_core.buffers import Field
 
 _SEQUENCE, _VERSION = 0, 1
+_YIELDS = 100  # waits for a write that only yield the core: a write of small weights ends within them
+_NAP_SECONDS = 0.0005  # then naps: with more processes than cores, a spinning reader delays the writer
+_WRITER_CHECK_SECONDS = 0.25  # how often a reader waiting for a write asks whether the writer still lives
+
+
+class LearnerGone(Exception):
+    """The learner ended in the middle of a weights write: a worker waiting for the write to finish
+    would wait for ever, so it ends as it does when its connection to the learner closes."""
 
 
 def weight_tensors(module: Any) -> list:
@@ -75,12 +86,15 @@ class WeightsRegion:
     """Versioned weights over the arrays of :func:`weights_fields` (a sequence lock guards them).
 
     :param arrays: the views made from :func:`weights_fields`
+    :param writer_alive: on a reader, tells whether the writer (the learner) still lives; asked
+        while a write stays unfinished, since a writer killed in the middle of one never ends it
     """
 
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], writer_alive: Callable[[], bool] | None = None) -> None:
         self.header = arrays["weights.header"][0]
         self.weights = arrays["weights"][0]
         self.arrays = [arrays["weights.header"], arrays["weights"]]
+        self.writer_alive = writer_alive
 
     @property
     def version(self) -> int:
@@ -95,7 +109,14 @@ class WeightsRegion:
 
     def read_newer(self, known_version: int, out: np.ndarray) -> int | None:
         """Copy the weights into ``out`` if their version differs from ``known_version``; returns the
-        version copied, or ``None`` when nothing changed."""
+        version copied, or ``None`` when nothing changed.
+
+        :raises LearnerGone: a write stayed unfinished and ``writer_alive`` says the writer is gone
+        """
+        if int(self.header[_SEQUENCE]) % 2 == 0 and int(self.header[_VERSION]) == known_version:
+            return None  # every step of a rollout asks: no more than these two reads
+        waits = 0
+        check_at = time.monotonic() + _WRITER_CHECK_SECONDS
         while True:
             sequence = int(self.header[_SEQUENCE])
             version = int(self.header[_VERSION])
@@ -105,7 +126,13 @@ class WeightsRegion:
                 out[:] = self.weights
                 if int(self.header[_SEQUENCE]) == sequence:
                     return version
-            time.sleep(0)  # the learner is writing; let it finish
+            # The learner is writing: let it finish.
+            waits += 1
+            time.sleep(0 if waits <= _YIELDS else _NAP_SECONDS)
+            if self.writer_alive is not None and time.monotonic() >= check_at:
+                if not self.writer_alive():
+                    raise LearnerGone("the learner ended in the middle of a weights write")
+                check_at = time.monotonic() + _WRITER_CHECK_SECONDS
 
 
 class PolicyHost:

@@ -42,6 +42,7 @@ import numpy as np
 from clusterenv_core import protocol, registry
 from clusterenv_core.env_output import checked_env, checked_reset, checked_step, unpicklable_part
 from clusterenv_core.errors import InvalidEnvOutput
+from clusterenv_core.inference import LearnerGone
 from clusterenv_core.protocol import ERROR, OK, OK_NONE, PROGRESS, RESTART_INFO_KEY, ErrorDetails
 from clusterenv_core.transports.base import WorkerConnection
 
@@ -474,7 +475,10 @@ class Worker:
         connection = self.connection
         while True:
             request = connection.recv()
-            if request is None or self.handle(request):  # learner gone, or told to close
+            try:
+                if request is None or self.handle(request):  # learner gone, or told to close
+                    return 0
+            except LearnerGone:  # noticed while collecting a rollout
                 return 0
 
     def handle(self, request: Any) -> bool:
@@ -502,6 +506,8 @@ class Worker:
             reply = (OK, result)
         except RemoteFailure as failure:
             reply = failure.reply(self.first_index)
+        except LearnerGone:
+            raise  # nobody to reply to
         except Exception as error:  # a bug or a bad message: report it rather than die silently
             reply = RemoteFailure(None, type(request).__name__, error).reply(0)
         reply = self._send_reply(connection.send, reply, *self._reply_parts(request))
@@ -592,7 +598,7 @@ class Worker:
         from clusterenv_core.inference import PolicyHost, WeightsRegion, weights_fields
 
         views, _ = self.connection.map_region(request.weights_handle, weights_fields(request.count), 1, range(1))
-        weights = WeightsRegion(views)
+        weights = WeightsRegion(views, writer_alive=self.connection.learner_alive)
         if request.deliver:
             self.connection.recv_arrays(weights.arrays)
         try:

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerTimeoutError  # noqa: E402
 from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
-from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
+from clusterenv_core.inference import (  # noqa: E402
+    LearnerGone,
+    WeightsRegion,
+    flatten_weights,
+    load_weights,
+    weights_fields,
+)
 from tests.envs import FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
 from tests.interrupts import interrupt_soon  # noqa: E402
 from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
@@ -109,6 +122,68 @@ def test_flatten_and_load_weights_round_trip():
         assert torch.equal(x, y)
     with pytest.raises(ValueError):
         load_weights(b, np.zeros(3, np.float32))
+
+
+def test_a_reader_waits_for_a_live_writer_and_gives_up_on_a_dead_one():
+    fields = weights_fields(3)
+    views = {field.name: np.zeros((1, *field.shape), field.dtype) for field in fields}
+    learner_alive = True
+    reader, writer = WeightsRegion(views, writer_alive=lambda: learner_alive), WeightsRegion(views)
+    out = np.empty(3, np.float32)
+
+    def end_write() -> None:  # the rest of WeightsRegion.write
+        writer.weights[:] = 1.0
+        writer.header[1] = 1
+        writer.header[0] += 1
+
+    writer.header[0] += 1  # a write begun, which the learner ends later than the reader's first check
+    threading.Timer(0.6, end_write).start()
+    assert reader.read_newer(0, out) == 1
+    assert out.tolist() == [1.0, 1.0, 1.0]
+    writer.header[0] += 1  # another write begun, by a learner that then dies
+    learner_alive = False
+    with pytest.raises(LearnerGone):
+        reader.read_newer(1, out)
+
+
+def test_workers_exit_when_the_learner_dies_in_the_middle_of_a_weights_write(tmp_path):
+    script = tmp_path / "learner.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            sys.path.insert(0, ROOT)
+            from clusterenv_core import EnvPool
+            from tests.policies import LinearPolicy
+            pool = EnvPool.make("CartPole-v1", 2, num_workers=2)
+            pool.reset(seeds=[0, 1])
+            actors = pool.deploy(LinearPolicy())
+            actors.weights.header[0] += 1  # as if killed between the two increments of a write
+            actors.rollout_async(100)
+            print(*pool.worker_pids, flush=True)
+            time.sleep(60)
+            """
+        ).replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    )
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in learner.stdout.readline().split()]
+    assert len(pids) == 2
+    learner.kill()
+    learner.wait()
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has exited
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10  # they check every quarter second; the rest is a loaded machine's slack
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if running(pid)]
+    for pid in left:  # not to leave them spinning for ever
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "workers outlived their learner, waiting for its unfinished weights write"
 
 
 def test_rollout_equals_sequential_reference():

@@ -156,6 +156,12 @@ class WorkerConnection(ABC):
         sent, so the worker can send an error reply in its place.
         """
 
+    def learner_alive(self) -> bool:
+        """Whether the learner still holds its end, for a worker that waits on it outside :meth:`recv`
+        (on weights the learner is writing into shared memory). ``True`` where the backend shares no
+        such memory."""
+        return True
+
     def send_rows(self) -> None:
         """Send this worker's result rows after a reply (see :mod:`clusterenv_core.protocol`).
         Nothing to do where the buffers are shared."""

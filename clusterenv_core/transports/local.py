@@ -163,6 +163,10 @@ class _MessageSocket:
         self._start += total
         return (message,)
 
+    def peer_closed(self) -> bool:
+        """Whether the peer closed its end (the socket hangs up), without reading anything."""
+        return any(events & select.POLLHUP for _, events in self._poller.poll(0))
+
     def has_data(self) -> bool:
         """Whether bytes of a message are buffered (the rest follows without waiting for the peer)."""
         return self._end > self._start
@@ -622,6 +626,9 @@ class LocalWorkerConnection(MemoryFileConnection):
             return self.channel.recv()
         except (EOFError, ConnectionError):
             return None
+
+    def learner_alive(self) -> bool:
+        return not self.channel.peer_closed()
 
     def send(self, message: Any) -> None:
         self._send_frame(_frame(message))
