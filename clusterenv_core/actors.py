@@ -19,11 +19,14 @@ import numpy as np
 from clusterenv_core import protocol
 from clusterenv_core.buffers import field_views, fields_nbytes
 from clusterenv_core.checks import check_int, check_seconds
-from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
 
 if TYPE_CHECKING:
     from clusterenv_core.pool import EnvPool
+
+# The seeds torch.manual_seed takes (it refuses others with "Overflow when unpacking long long").
+_TORCH_SEED_MIN, _TORCH_SEED_MAX = -(2**63), 2**64 - 1
 
 
 class WorkerActors:
@@ -33,8 +36,11 @@ class WorkerActors:
     :param policy: a deployable module (``act`` and ``action_dist``, see :mod:`clusterenv_core.inference`)
     :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
     :raises ValueError: the spaces have no buffers, or the action space is not one array, or the
-        policy cannot be pickled
-    :raises TypeError: the policy lacks ``act`` or ``action_dist``
+        policy cannot be pickled, or ``seed + w`` is no torch seed for some worker ``w``
+    :raises TypeError: the policy lacks ``act`` or ``action_dist``, or ``seed`` is no int
+    :raises EnvError: a worker could not take the policy; then no policy is deployed on the pool
+        (``pool.actors`` is ``None``), since the workers that took it would act with another
+        policy than the rest
     """
 
     def __init__(self, pool: EnvPool, policy: Any, seed: int | None = None) -> None:
@@ -51,6 +57,8 @@ class WorkerActors:
         for method in ("act", "action_dist"):
             if not callable(getattr(policy, method, None)):
                 raise TypeError(f"the policy must have an {method}() method (see clusterenv_core.inference)")
+        if seed is not None:
+            seed = _check_seed(seed, pool.num_workers)
         try:
             policy_bytes = protocol.dumps_code(policy)
         except Exception as error:
@@ -69,12 +77,19 @@ class WorkerActors:
         #: size of one copy of the weights
         self.weights_nbytes = flat.nbytes
         deliver = not transport.shares_memory
+        # From the first request on, a worker may hold this policy or the previous one: the previous
+        # WorkerActors must not act any more (_check_current), and none does until every worker took this one.
+        pool.actors = None
         for worker in range(pool.num_workers):
             request = protocol.Deploy(policy_bytes, handle, flat.size, None if seed is None else seed + worker, deliver)
             pool._send(worker, request)
             if deliver:
                 transport.send_arrays(worker, self.weights.arrays)
-        pool._gather(range(pool.num_workers), "deploying the policy")
+        took: list[int] = []
+        try:
+            pool._gather(range(pool.num_workers), "deploying the policy", on_reply=took.append)
+        except EnvError as error:
+            raise _deploy_error(error, took) from None
         self._delivered_version = [self.policy_version] * pool.num_workers  # backends without shared memory
         self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
         self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
@@ -201,12 +216,16 @@ class WorkerActors:
         self._pending = None
 
     def _check_current(self) -> None:
-        """A later ``deploy`` replaced this policy on the workers: acting through this object would
-        collect with the other policy, and its weights would reach no worker."""
+        """A later ``deploy`` replaced this policy on the workers, or some of them: acting through
+        this object would collect with the other policy, and its weights would reach no worker."""
         if self.pool.actors is not self:
+            why = (
+                "a later deploy() replaced it on the workers"
+                if self.pool.actors is not None
+                else "a later deploy() failed once sent, so each worker holds either policy"
+            )
             raise ClusterEnvError(
-                "this policy is no longer deployed on the pool: a later deploy() replaced it on the workers; "
-                "deploy it again to act with it"
+                f"this policy is no longer deployed on the pool: {why}; deploy it again to act with it"
             )
 
     def _region(self, n_steps: int) -> RolloutArrays:
@@ -233,6 +252,31 @@ class WorkerActors:
         pool._transport.send_arrays(worker, self.weights.arrays)
         pool._gather([worker], "delivering weights")
         self._delivered_version[worker] = self.policy_version
+
+
+def _check_seed(seed: Any, num_workers: int) -> int:
+    """``seed`` as an int such that ``seed + w`` is a torch seed for every worker ``w``."""
+    seed = check_int("seed", seed)
+    highest = _TORCH_SEED_MAX - (num_workers - 1)
+    if not _TORCH_SEED_MIN <= seed <= highest:
+        raise ValueError(
+            f"seed must be in [{_TORCH_SEED_MIN}, {highest}]: worker w seeds torch with seed + w, which torch takes "
+            f"in [{_TORCH_SEED_MIN}, {_TORCH_SEED_MAX}], for each of the {num_workers} workers; got {seed}"
+        )
+    return seed
+
+
+def _deploy_error(error: EnvError, took: list[int]) -> EnvError:
+    """``error``, of a worker that could not take the policy, saying what became of the others."""
+    if took:
+        workers = ", ".join(map(str, took))
+        what = f"deploying the policy (worker{'s' if len(took) > 1 else ''} {workers} took it"
+    else:
+        what = "deploying the policy (no worker took it"
+    what += "; no policy is deployed on the pool now, so none acts with a mix of policies: deploy again)"
+    return type(error)(
+        error.env_index, error.worker_index, what, error.exc_type, error.remote_message, error.remote_traceback
+    )
 
 
 def _warn_moved(name: str) -> None:

@@ -418,10 +418,14 @@ class EnvPool(DeprecatedPoolMethods):
     def deploy(self, policy: Any, seed: int | None = None) -> WorkerActors:
         """Ship ``policy`` (a torch module, see :mod:`clusterenv_core.inference`) to every worker and
         return the :class:`~clusterenv_core.actors.WorkerActors` that feed it weights and collect
-        rollouts with it (also kept as :attr:`actors`). Deploying again replaces the policy.
+        rollouts with it (also kept as :attr:`actors`). Deploying again replaces the policy; a deploy
+        that fails once sent to the workers leaves none (:attr:`actors` is ``None``, and the previous
+        ``WorkerActors`` refuse to act), so no rollout mixes two policies.
 
         :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
-        :raises ValueError: a worker runs in the learner's process (the local backend's ``inline_worker``)
+        :raises ValueError: a worker runs in the learner's process (the local backend's ``inline_worker``),
+            or ``seed + w`` is no torch seed for some worker ``w`` (see :class:`~clusterenv_core.actors.WorkerActors`
+            for the rest)
         """
         from clusterenv_core.actors import WorkerActors
 

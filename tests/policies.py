@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -25,6 +27,25 @@ class LinearPolicy(torch.nn.Module):
 
     def action_dist(self, obs):
         return ("categorical", self.linear(obs))
+
+
+class ConstantPolicy(LinearPolicy):
+    """Always picks ``action`` (greedy, whatever the observation).
+
+    :param refused_by: pids of processes where the policy fails to unpickle (workers that cannot take it)
+    """
+
+    def __init__(self, action: int, refused_by: tuple[int, ...] = ()) -> None:
+        super().__init__(greedy=True)
+        self.refused_by = refused_by
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.bias.copy_(torch.nn.functional.one_hot(torch.tensor(action), 2).float())
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if os.getpid() in self.refused_by:
+            raise RuntimeError("this worker cannot take the policy")
 
 
 def reference_rollout(policy, seeds, n_steps):

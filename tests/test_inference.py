@@ -29,7 +29,7 @@ from clusterenv_core.inference import (  # noqa: E402
 )
 from tests.envs import FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
 from tests.interrupts import interrupt_soon  # noqa: E402
-from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
+from tests.policies import ConstantPolicy, LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
 
 D = torch.distributions
 
@@ -297,6 +297,42 @@ def test_sampling_rollouts_are_reproducible_with_a_seed():
     np.testing.assert_array_equal(a1, a2)
     np.testing.assert_array_equal(l1, l2)
     assert 0 < a1.mean() < 1
+
+
+def test_a_seed_torch_would_refuse_on_some_worker_is_refused_before_anything_is_sent():
+    with EnvPool.make("CartPole-v1", 2, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(ConstantPolicy(0))
+        # Worker 1 would seed torch with 2**64, which torch refuses while worker 0 takes 2**64 - 1.
+        for seed in (2**64 - 1, -(2**63) - 1):
+            with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 18446744073709551614\]"):
+                pool.deploy(ConstantPolicy(1), seed=seed)
+        with pytest.raises(TypeError, match="seed must be an int"):
+            pool.deploy(ConstantPolicy(1), seed=1.5)
+        assert pool.actors is actors  # nothing was sent: every worker still acts with it
+        assert not actors.rollout(3).actions.any()
+        for seed in (2**64 - 2, -(2**63)):  # the ends of the range
+            assert not pool.deploy(ConstantPolicy(0), seed=seed).rollout(3).actions.any()
+
+
+def test_a_deploy_that_fails_on_some_workers_leaves_no_policy_acting():
+    with EnvPool.make("CartPole-v1", 3, num_workers=3) as pool:
+        pool.reset(seeds=[0, 1, 2])
+        first = pool.deploy(ConstantPolicy(0))
+        assert not first.rollout(3).actions.any()
+        with pytest.raises(EnvError, match=r"workers 0, 1 took it; no policy is deployed on the pool now") as caught:
+            pool.deploy(ConstantPolicy(1, refused_by=(pool.worker_pids[2],)))
+        assert caught.value.worker_index == 2 and "this worker cannot take the policy" in str(caught.value)
+        # Workers 0 and 1 hold the new policy, worker 2 the first: neither may act for the whole pool.
+        assert pool.actors is None
+        with pytest.raises(ClusterEnvError, match="a later deploy\\(\\) failed once sent"):
+            first.rollout(3)
+        with pytest.raises(ClusterEnvError, match="no longer deployed"):
+            first.publish_weights(ConstantPolicy(0))
+        with pytest.warns(DeprecationWarning), pytest.raises(ClusterEnvError, match="no policy deployed"):
+            pool.rollout(3)
+        again = pool.deploy(ConstantPolicy(1))  # the pool stays usable
+        assert pool.actors is again and again.rollout(3).actions.all()
 
 
 def test_deprecated_pool_methods_still_work_and_say_where_they_moved():
