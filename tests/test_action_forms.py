@@ -150,49 +150,48 @@ def _sb3_vec_envs():
     return DummyVecEnv, ClusterVecEnv
 
 
-@pytest.mark.parametrize("name", ["box", "discrete", "multi_discrete", "multi_binary"])
-def test_vec_env_hands_actions_on_in_the_batchs_dtype(name):
-    env_fns = [functools.partial(EchoActionEnv, ACTION_SPACES[name], check_action=False)] * NUM_ENVS
-    space = ACTION_SPACES[name]
-    space.seed(5)
+def _step_dummy_and_cluster(env_fns: list, steps: int, actions_at) -> None:
+    """DummyVecEnv and ClusterVecEnv stepped with ``actions_at(step)``: the same results."""
     DummyVecEnv, ClusterVecEnv = _sb3_vec_envs()
     dummy, cluster = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=2)
     try:
         dummy.seed(6)
         cluster.seed(6)
         assert_same(cluster.reset(), dummy.reset(), "reset")
-        for step in range(8):
-            actions = np.stack([space.sample() for _ in range(NUM_ENVS)])
-            if step % 2:
-                actions = actions.astype(OTHER_DTYPES[name])
+        for step in range(steps):
+            actions = actions_at(step)
             for label, got, want in zip(("obs", "rewards", "dones", "infos"), cluster.step(actions), dummy.step(actions)):
                 assert_same(got, want, f"{label} at step {step}")
     finally:
         dummy.close()
         cluster.close()
+
+
+@pytest.mark.parametrize("name", ["box", "discrete", "multi_discrete", "multi_binary"])
+def test_vec_env_hands_actions_on_in_the_batchs_dtype(name):
+    space = ACTION_SPACES[name]
+    space.seed(5)
+
+    def actions_at(step: int) -> np.ndarray:
+        actions = np.stack([space.sample() for _ in range(NUM_ENVS)])
+        return actions.astype(OTHER_DTYPES[name]) if step % 2 else actions
+
+    env_fns = [functools.partial(EchoActionEnv, space, check_action=False)] * NUM_ENVS
+    _step_dummy_and_cluster(env_fns, 8, actions_at)
 
 
 @pytest.mark.parametrize("name", list(ACTION_SPACES))
 def test_vec_env_takes_per_env_actions_as_dummy_vec_env(name):
-    env_fns = _env_fns(name)
     space = ACTION_SPACES[name]
     space.seed(5)
-    DummyVecEnv, ClusterVecEnv = _sb3_vec_envs()
-    dummy, cluster = DummyVecEnv(env_fns), ClusterVecEnv(env_fns, num_workers=2)
-    try:
-        dummy.seed(6)
-        cluster.seed(6)
-        assert_same(cluster.reset(), dummy.reset(), "reset")
-        for step in range(12):
-            per_env = [_without_0d_arrays(space.sample()) for _ in range(NUM_ENVS)]
-            # One-array spaces also come as one stacked array (what SB3's algorithms pass).
-            forms = [per_env, np.stack(per_env)] if isinstance(space, (spaces.Box, spaces.Discrete)) else [per_env]
-            actions = forms[step % len(forms)]
-            for label, got, want in zip(("obs", "rewards", "dones", "infos"), cluster.step(actions), dummy.step(actions)):
-                assert_same(got, want, f"{label} at step {step}")
-    finally:
-        dummy.close()
-        cluster.close()
+
+    def actions_at(step: int) -> list | np.ndarray:
+        per_env = [_without_0d_arrays(space.sample()) for _ in range(NUM_ENVS)]
+        # One-array spaces also come as one stacked array (what SB3's algorithms pass).
+        forms = [per_env, np.stack(per_env)] if isinstance(space, (spaces.Box, spaces.Discrete)) else [per_env]
+        return forms[step % len(forms)]
+
+    _step_dummy_and_cluster(_env_fns(name), 12, actions_at)
 
 
 def _without_0d_arrays(value):
