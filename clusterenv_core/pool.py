@@ -585,13 +585,15 @@ class EnvPool(DeprecatedPoolMethods):
         what: str,
         step: bool = False,
         timeout: float | None = None,
+        on_reply: Callable[[int], None] | None = None,
     ) -> dict[int, Any]:
         """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
         first env) is raised once all have answered. With ``step``, the envs the replies say were
         replaced are counted, also those of replies that end in an error.
 
         Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
-        buffers and in the arrays given to :meth:`_send` first.
+        buffers and in the arrays given to :meth:`_send` first. ``on_reply(worker)`` runs after each
+        successful reply, also when another worker's error is raised (who took a deployed policy).
         """
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
@@ -621,6 +623,8 @@ class EnvPool(DeprecatedPoolMethods):
                 results[worker] = result
                 if step and result is not None:  # counted here: an error of another worker may follow
                     self._count_env_restarts(result)
+                if on_reply is not None:
+                    on_reply(worker)
         if first_error is not None:
             raise first_error
         return results
