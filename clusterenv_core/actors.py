@@ -87,7 +87,7 @@ class WorkerActors:
                 transport.send_arrays(worker, self.weights.arrays)
         took: list[int] = []
         try:
-            pool._gather(range(pool.num_workers), "deploying the policy", on_reply=took.append)
+            pool._gather(range(pool.num_workers), "deploying the policy", on_reply=lambda worker, _: took.append(worker))
         except EnvError as error:
             raise _deploy_error(error, took) from None
         self._delivered_version = [self.policy_version] * pool.num_workers  # backends without shared memory
@@ -166,8 +166,12 @@ class WorkerActors:
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
+        def count_env_restarts(worker: int, result: Any) -> None:  # as each reply comes: an error may follow
+            for parts in (result or {}).get("steps", {}).values():
+                pool._count_env_restarts(parts)
+
         try:
-            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout)
+            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout, on_reply=count_env_restarts)
         finally:
             # Interrupted (Ctrl-C) with replies unread, the rollout stays pending: rollout_wait resumes
             # it, and any other call of the pool first finishes it.
@@ -183,7 +187,6 @@ class WorkerActors:
                 infos[step].update(parts.get("infos", ()))
                 reset_infos[step].update(parts.get("reset_infos", ()))
                 pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
-                pool._count_env_restarts(parts)
         obs_layout, act_layout = pool.buffers.obs_layout, pool.buffers.act_layout
         return Rollout(
             obs=time_major(obs_layout, region.obs),

@@ -198,6 +198,8 @@ class AsyncBatches:
         self._has_action[block.start : block.stop] = False
         if pool._restarter is not None:
             pool._restarter.remember_step_start(block)
+        # Envs get their actions in the space's dtypes, as EnvPool converts them to its own.
+        pool._set_action_dtypes(pool._space_action_dtypes, [worker])
         pool._awaiting[worker] = None  # before the send: see EnvPool._send
         self._stepping.append(worker)
         try:

@@ -36,6 +36,7 @@ from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS
 from clusterenv_core.results import ResetResult, StepResult
 from clusterenv_core.spaces import common_spaces, delivered_dtype
 from clusterenv_core.transports import Transport, make_transport
+from clusterenv_core.transports.base import RequestNotSent
 
 if TYPE_CHECKING:
     from clusterenv_core.actors import WorkerActors
@@ -204,8 +205,12 @@ class EnvPool(DeprecatedPoolMethods):
             self._attach(range(num_workers), start_timeout)
             self._obs_layout = self.buffers.obs_layout
             self._act_layout = self.buffers.act_layout
-            # Envs get their actions in the dtypes of the last batch (see spaces.delivered_dtype).
-            self._batch_dtypes = self._action_dtypes = [field.dtype for field in self._act_layout.fields]
+            # Envs get their actions in the dtypes of the last batch (see spaces.delivered_dtype): the
+            # dtypes each worker reads actions in (None while unknown: Ctrl-C while it is told), and
+            # those of the last batch of a synchronous step they were set for.
+            self._space_action_dtypes = [field.dtype for field in self._act_layout.fields]
+            self._worker_action_dtypes: list[list | None] = [self._space_action_dtypes] * num_workers
+            self._batch_dtypes: list | None = self._space_action_dtypes
             # Batched observations: views of the buffers, or per-env values for spaces without buffers.
             self._obs: Any = (
                 self._obs_layout.batch(self.buffers.obs) if self._obs_layout.buffered else [None] * num_envs
@@ -278,6 +283,7 @@ class EnvPool(DeprecatedPoolMethods):
             leaves = layout.stack(actions, self.num_envs) if per_env else layout.check_batch(actions, self.num_envs)
             batch_dtypes = [leaf.dtype for leaf in leaves]
             if batch_dtypes != self._batch_dtypes:
+                self._batch_dtypes = None
                 self._set_action_dtypes([delivered_dtype(f.dtype, b) for f, b in zip(layout.fields, batch_dtypes)])
                 self._batch_dtypes = batch_dtypes
             for buffer, leaf in zip(self.buffers.actions, leaves):
@@ -303,18 +309,20 @@ class EnvPool(DeprecatedPoolMethods):
         self._stepping = True
 
     def _set_action_dtypes(self, dtypes: list[np.dtype], workers: Iterable[int] | None = None) -> None:
-        """Have ``workers`` (all by default, which then keep ``dtypes``) give envs their actions in
-        ``dtypes``, unless all have them already."""
-        if workers is None:
-            if dtypes == self._action_dtypes:
-                return
-            workers = range(self.num_workers)
-        workers = list(workers)
-        for worker in workers:
+        """Have ``workers`` (all by default) give envs their actions in ``dtypes``, one per action
+        field; only the workers that read them in others are told."""
+        known = self._worker_action_dtypes
+        told = [worker for worker in (range(self.num_workers) if workers is None else workers) if known[worker] != dtypes]
+        if not told:
+            return
+        if workers is not None:
+            self._batch_dtypes = None  # the synchronous step's workers may read in others now
+        for worker in told:
+            known[worker] = None
             self._send(worker, protocol.ActionDtypes(tuple(dtypes)))
-        self._gather(workers, "setting the dtypes of actions")
-        if len(workers) == self.num_workers:
-            self._action_dtypes = dtypes
+        self._gather(told, "setting the dtypes of actions")
+        for worker in told:
+            known[worker] = dtypes
 
     def _split_batch(self, actions: Any) -> list:
         """A batch of a space without buffers, one action per env, as ``SyncVectorEnv`` splits it."""
@@ -471,12 +479,7 @@ class EnvPool(DeprecatedPoolMethods):
         pool's own calls work while no worker is stepping."""
         from clusterenv_core.batches import AsyncBatches
 
-        batches = AsyncBatches(self, batch_size)
-        # Envs get their actions in the space's dtypes, as EnvPool converts them to its own: workers
-        # stepping on their own cannot be told otherwise between steps.
-        self._set_action_dtypes([field.dtype for field in self._act_layout.fields])
-        self._batch_dtypes = self._action_dtypes
-        return batches
+        return AsyncBatches(self, batch_size)
 
     # -- per-env access ---------------------------------------------------------------------------
 
@@ -567,17 +570,28 @@ class EnvPool(DeprecatedPoolMethods):
         :param reply_arrays: for a request whose reply is followed by arrays (``REPLY_ARRAYS``), the
             arrays (views of a region) they are received into, whoever reads the reply
         """
-        # Awaited before it is sent: Ctrl-C raises once the request is out (sendall runs signal
-        # handlers after writing), and its reply must still be read as this request's.
+        # Awaited before it is sent: Ctrl-C while it is written may raise once it is out (sendall
+        # runs signal handlers after writing), and its reply must still be read as this request's.
         self._awaiting[worker] = type(request)
         if reply_arrays is not None:
             self._reply_arrays[worker] = reply_arrays
         try:
             self._transport.send(worker, request)
         except ClusterEnvError as error:
-            self._awaiting.pop(worker, None)
-            self._reply_arrays.pop(worker, None)
+            self._not_awaiting(worker)
             raise self._fail(error)
+        except RequestNotSent:
+            self._not_awaiting(worker)
+            raise
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # it could not be pickled: nothing was sent
+            self._not_awaiting(worker)
+            raise
+
+    def _not_awaiting(self, worker: int) -> None:
+        self._awaiting.pop(worker, None)
+        self._reply_arrays.pop(worker, None)
 
     def _gather(
         self,
@@ -585,15 +599,16 @@ class EnvPool(DeprecatedPoolMethods):
         what: str,
         step: bool = False,
         timeout: float | None = None,
-        on_reply: Callable[[int], None] | None = None,
+        on_reply: Callable[[int, Any], None] | None = None,
     ) -> dict[int, Any]:
         """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
         first env) is raised once all have answered. With ``step``, the envs the replies say were
         replaced are counted, also those of replies that end in an error.
 
         Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
-        buffers and in the arrays given to :meth:`_send` first. ``on_reply(worker)`` runs after each
-        successful reply, also when another worker's error is raised (who took a deployed policy).
+        buffers and in the arrays given to :meth:`_send` first. ``on_reply(worker, result)`` runs
+        after each successful reply, also when another worker's error is raised (who took a deployed
+        policy, which envs a segment replaced). The envs an error reply says were replaced are counted.
         """
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
@@ -617,14 +632,13 @@ class EnvPool(DeprecatedPoolMethods):
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
                     first_error = _remote_error(worker, result, what)
-                if step:
-                    self._count_env_restarts({"env_restarts": result.env_restarts})
+                self._count_env_restarts({"env_restarts": result.env_restarts})
             else:
                 results[worker] = result
                 if step and result is not None:  # counted here: an error of another worker may follow
                     self._count_env_restarts(result)
                 if on_reply is not None:
-                    on_reply(worker)
+                    on_reply(worker, result)
         if first_error is not None:
             raise first_error
         return results
@@ -799,7 +813,8 @@ def _shutdown(
     def remaining(floor: float = 0.01) -> float:  # the floor still reads replies already there
         return max(deadline - time.monotonic(), floor)
 
-    asked, closed = [], set()
+    asked: dict[int, float] = {}  # the workers asked to close, and when
+    closed: set[int] = set()
     first_error = None
     interrupted = False
     try:
@@ -810,13 +825,14 @@ def _shutdown(
                 if worker in awaiting:  # a pending reply first, so the close reply is the next one
                     _read_reply(transport, worker, awaiting.pop(worker), remaining(), reply_arrays.pop(worker, None))
                 transport.send(worker, protocol.Close())
-                asked.append(worker)
+                asked[worker] = time.monotonic()
             except ClusterEnvError:
                 awaiting.pop(worker, None)
         deadline = time.monotonic() + max(timeout, _CLOSE_TIMEOUT)
-        for worker in asked:
+        for worker, asked_at in asked.items():
             try:
-                status, result = transport.recv(worker, remaining())
+                # A receive's timeout counts from the request (its last contact): to the deadline from there.
+                status, result = transport.recv(worker, max(deadline - asked_at, 0.01))
             except ClusterEnvError:
                 continue
             closed.add(worker)

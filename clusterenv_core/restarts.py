@@ -109,8 +109,10 @@ class WorkerRestarts:
         pool._send(worker, dataclasses.replace(pool._init_requests[worker], restarted=True, env_restarts=env_restarts))
         pool._gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
         pool._attach([worker], start_timeout)
-        if pool._act_layout.buffered and pool._action_dtypes != [field.dtype for field in pool._act_layout.fields]:
-            pool._set_action_dtypes(pool._action_dtypes, [worker])
+        if pool._act_layout.buffered:  # the new worker reads actions in the space's dtypes: as the lost one did
+            wanted = pool._worker_action_dtypes[worker]
+            pool._worker_action_dtypes[worker] = pool._space_action_dtypes
+            pool._set_action_dtypes(wanted or pool._space_action_dtypes, [worker])
 
         layout, rows = pool.buffers.obs_layout, slice(block.start, block.stop)
         if layout.buffered:

@@ -44,6 +44,7 @@ from clusterenv_core.env_output import checked_env, checked_reset, checked_step,
 from clusterenv_core.errors import InvalidEnvOutput
 from clusterenv_core.inference import LearnerGone
 from clusterenv_core.protocol import ERROR, OK, OK_NONE, PROGRESS, RESTART_INFO_KEY, ErrorDetails
+from clusterenv_core.spaces import delivered_dtype
 from clusterenv_core.transports.base import WorkerConnection
 
 
@@ -109,7 +110,8 @@ class EnvBlock:
         self.max_env_restarts = max_env_restarts
         # Replacements of each env so far, also by earlier workers of this block.
         self.env_restarts = list(env_restarts) if env_restarts else [0] * len(env_fns)
-        self.replaced: list[int] = []  # env indices replaced in the current request
+        self.replaced: list[int] = []  # env indices replaced in the current step
+        self.replaced_in_segment: list[int] = []  # and in the current rollout segment
         self.envs = [self._make_env(slot) for slot in range(len(env_fns))]
         # next_step mode: envs to reset at their next step.
         self.needs_reset = np.full(len(self.envs), restarted and autoreset_mode == "next_step")
@@ -285,6 +287,7 @@ class EnvBlock:
             pass  # the env is already broken; its replacement matters, not its last words
         self.envs[slot] = self._make_env(slot)
         self.replaced.append(index)
+        self.replaced_in_segment.append(index)
         return (
             f"env {index} raised {type(error).__name__}: {error}; "
             f"replaced by a new env (restart {self.env_restarts[slot]} of {self.max_env_restarts})"
@@ -342,32 +345,41 @@ class EnvBlock:
         buffers, rows = self.buffers, self.rows
         segment = slice(arrays.row0, arrays.row0 + len(self.envs))
         (actions,) = buffers.actions  # deploying checked that the action space is one field
+        (field,) = buffers.act_layout.fields
+        learner_reader = self.read_action
+        self.replaced_in_segment = []
         steps: dict[int, dict] = {}
-        for t in range(n_steps):
-            version = host.refresh()
-            current = [array[rows] for array in buffers.obs]
-            for kept, now in zip(arrays.obs, current):
-                kept[segment, t] = now
-            try:
-                out = host.act(self.obs_layout.batch(current), context)
-            except Exception as error:
-                raise RemoteFailure(None, "policy act", error) from error
-            actions[rows] = out.get("env_actions", out["actions"])
-            arrays.actions[0][segment, t] = out["actions"]
-            for name in ("log_probs", "values"):
-                if name in out:
-                    getattr(arrays, name)[segment, t] = out[name].reshape(-1)
-            parts = self.step()
-            for name in ("rewards", "terminated", "truncated"):
-                getattr(arrays, name)[segment, t] = getattr(buffers, name)[rows]
-            for kept, final in zip(arrays.final_obs, buffers.final_obs):
-                kept[segment, t] = final[rows]
-            arrays.versions[segment, t] = version
-            if parts:
-                steps[t] = parts
-            if t + 1 < n_steps and time.monotonic() >= next_report:
-                report(t + 1)
-                next_report = time.monotonic() + report_every
+        try:
+            for t in range(n_steps):
+                version = host.refresh()
+                current = [array[rows] for array in buffers.obs]
+                for kept, now in zip(arrays.obs, current):
+                    kept[segment, t] = now
+                try:
+                    out = host.act(self.obs_layout.batch(current), context)
+                except Exception as error:
+                    raise RemoteFailure(None, "policy act", error) from error
+                env_actions = out.get("env_actions", out["actions"])
+                if t == 0:  # envs get the policy's dtype, as from SB3's and CleanRL's own loops
+                    self.set_action_dtypes([delivered_dtype(field.dtype, np.asarray(env_actions).dtype)])
+                actions[rows] = env_actions
+                arrays.actions[0][segment, t] = out["actions"]
+                for name in ("log_probs", "values"):
+                    if name in out:
+                        getattr(arrays, name)[segment, t] = out[name].reshape(-1)
+                parts = self.step()
+                for name in ("rewards", "terminated", "truncated"):
+                    getattr(arrays, name)[segment, t] = getattr(buffers, name)[rows]
+                for kept, final in zip(arrays.final_obs, buffers.final_obs):
+                    kept[segment, t] = final[rows]
+                arrays.versions[segment, t] = version
+                if parts:
+                    steps[t] = parts
+                if t + 1 < n_steps and time.monotonic() >= next_report:
+                    report(t + 1)
+                    next_report = time.monotonic() + report_every
+        finally:
+            self.read_action = learner_reader  # learner-driven steps read in the dtypes the learner set
         for kept, now in zip(arrays.last_obs, buffers.obs):
             kept[segment] = now[rows]
         result: dict[str, Any] = {"seconds": time.perf_counter() - started}
@@ -505,7 +517,9 @@ class Worker:
                 result, arrays = result
             reply = (OK, result)
         except RemoteFailure as failure:
-            reply = failure.reply(self.first_index)
+            # A failed segment's reply still says which envs were replaced in it, to be counted.
+            replaced = self.block.replaced_in_segment if isinstance(request, protocol.Rollout) else None
+            reply = failure.reply(self.first_index, replaced)
         except LearnerGone:
             raise  # nobody to reply to
         except Exception as error:  # a bug or a bad message: report it rather than die silently

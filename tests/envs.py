@@ -275,6 +275,34 @@ class ThreadLeavingEnv(gym.Wrapper):
         threading.Thread(target=time.sleep, args=(seconds,), daemon=False).start()
 
 
+class ActionDtypeEnv(gym.Env):
+    """Says in its info the dtype of the action it got; never ends."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def __init__(self, action_space: spaces.Space) -> None:
+        self.action_space = action_space
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 0.0, False, False, {"dtype": str(np.asarray(action).dtype)}
+
+
+class BigInfoEnv(gym.Wrapper):
+    """CartPole whose step info holds ``nbytes`` bytes: a reply larger than a socket's buffer."""
+
+    def __init__(self, env: gym.Env, nbytes: int) -> None:
+        super().__init__(env)
+        self.nbytes = nbytes
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = self.env.step(action)
+        return obs, reward, terminated, truncated, {"frame": np.ones(self.nbytes, np.uint8)}
+
+
 class SameReprKey:
     """A Dict space key whose repr is that of every other such key (they differ by ``value``)."""
 

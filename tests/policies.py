@@ -48,6 +48,22 @@ class ConstantPolicy(LinearPolicy):
             raise RuntimeError("this worker cannot take the policy")
 
 
+class BernoulliPolicy(torch.nn.Module):
+    """Presses every button of a 3-button MultiBinary space (float32 actions, as SB3's PPO samples them)."""
+
+    def __init__(self, obs_size: int = 2) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(obs_size, 3)
+
+    def act(self, obs):
+        dist = D.Bernoulli(logits=self.linear(obs) * 0 + 10.0)
+        actions = torch.ones_like(dist.logits)
+        return {"actions": actions, "log_probs": dist.log_prob(actions).sum(-1)}
+
+    def action_dist(self, obs):
+        return ("bernoulli", self.linear(obs))
+
+
 def reference_rollout(policy, seeds, n_steps):
     """The rollout a pool must collect, stepped sequentially in this process (same_step autoreset)."""
     envs = [gym.make("CartPole-v1") for _ in seeds]

@@ -17,7 +17,7 @@ from gymnasium import spaces
 
 from clusterenv_cleanrl import ClusterVectorEnv
 from tests.compare import assert_same
-from tests.envs import Coin, EchoActionEnv
+from tests.envs import ActionDtypeEnv, Coin, EchoActionEnv
 
 NUM_ENVS = 3
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
@@ -91,6 +91,46 @@ def _cast_leaves(batch, dtype):
 def test_vector_env_hands_actions_on_in_the_batchs_dtype(name):
     env_fns = [functools.partial(EchoActionEnv, ACTION_SPACES[name], check_action=False)] * NUM_ENVS
     _step_both_with_sampled_batches(name, 8, _alternately_as(OTHER_DTYPES[name]), env_fns)
+
+
+def _dtypes_received(result) -> list[str]:
+    return [result.infos[index]["dtype"] for index in sorted(result.infos)]
+
+
+def test_ctrl_c_while_workers_are_told_a_new_dtype(monkeypatch):
+    # The workers may have switched when Ctrl-C lands: the pool must not take them for unchanged.
+    from clusterenv_core import EnvPool, protocol
+
+    with EnvPool([functools.partial(ActionDtypeEnv, spaces.Box(-1.0, 1.0, (1,), np.float32))] * 2, num_workers=2) as pool:
+        pool.reset()
+        transport = pool._transport
+        recv = transport.recv
+
+        def interrupted_recv(worker, timeout):
+            if pool._awaiting.get(worker) is protocol.ActionDtypes and not interrupted_recv.done:
+                interrupted_recv.done = True
+                raise KeyboardInterrupt
+            return recv(worker, timeout)
+
+        interrupted_recv.done = False
+        monkeypatch.setattr(transport, "recv", interrupted_recv)
+        with pytest.raises(KeyboardInterrupt):
+            pool.step(np.zeros((2, 1), np.float64))
+        assert _dtypes_received(pool.step(np.zeros((2, 1), np.float32))) == ["float32", "float32"]
+
+
+def test_asynchronous_batches_hand_on_the_spaces_dtypes_whatever_came_before():
+    from clusterenv_core import EnvPool
+
+    env_fns = [functools.partial(ActionDtypeEnv, spaces.Box(-1.0, 1.0, (1,), np.float32))] * 2
+    with EnvPool(env_fns, num_workers=2, autoreset_mode="next_step") as pool:
+        batches = pool.async_batches(2)
+        batches.reset()
+        env_ids = batches.recv().env_ids.copy()
+        for _ in range(2):  # a synchronous step in float64 (an evaluation, say) between two batches
+            batches.send(np.zeros((2, 1), np.float64), env_ids)
+            assert _dtypes_received(batches.recv()) == ["float32", "float32"]
+            assert _dtypes_received(pool.step(np.zeros((2, 1), np.float64))) == ["float64", "float64"]
 
 
 def _with_extra_entries(space: spaces.Space, batch):

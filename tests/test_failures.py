@@ -20,6 +20,7 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
 from tests.envs import (
+    BigInfoEnv,
     CallCounter,
     ChildStartingEnv,
     CrashingEnv,
@@ -402,10 +403,11 @@ def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks):
 
 
 def test_close_lets_envs_take_their_time_to_close(no_leaks, tmp_path):
-    # As DummyVecEnv and SubprocVecEnv wait for it: killed at 5 s, a recorder would leave half a file.
+    # As DummyVecEnv and SubprocVecEnv wait for it: killed at 5 s, a recorder would leave half a
+    # file. The second worker's time counts from when it was asked, not from the first one's answer.
     paths = [str(tmp_path / f"video{index}") for index in range(2)]
-    env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=6.0, path=path) for path in paths]
-    pool = EnvPool(env_fns, num_workers=2, timeout=20.0)
+    env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=seconds, path=path) for seconds, path in zip((5.5, 6.5), paths)]
+    pool = EnvPool(env_fns, num_workers=2, timeout=7.0)
     pool.reset()
     _step_zeros(pool)
     pool.close()
@@ -670,6 +672,40 @@ def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired
     assert pool.get_attr("calls") == [1, 0]
     assert pool.call("bump", (2,)) == [3, 2]
     assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+    pool.close()
+
+
+def test_a_request_that_cannot_be_pickled_leaves_nothing_awaited(no_leaks, monkeypatch):
+    from clusterenv_core.transports import local
+
+    pool = EnvPool([CARTPOLE] * 2, num_workers=2, timeout=3.0)
+    pool.reset(seeds=[0, 1])
+    with pytest.raises(TypeError, match="pickle"):
+        pool.set_attr("lock", [threading.Lock()], indices=[0])
+    frame = local._frame
+    interrupted = []
+
+    def interrupted_while_pickling(message):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return frame(message)
+
+    monkeypatch.setattr(local, "_frame", interrupted_while_pickling)
+    with pytest.raises(KeyboardInterrupt):
+        pool.call("render")
+    started = time.monotonic()  # no reply is awaited from either: the step does not wait for one
+    assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+    assert time.monotonic() - started < 1.0
+    pool.close()
+
+
+def test_a_large_reply_that_came_in_time_is_read_however_late(no_leaks):
+    pool = EnvPool([lambda: BigInfoEnv(gym.make("CartPole-v1"), 4_000_000)] * 2, num_workers=2, timeout=1.0)
+    pool.reset(seeds=[0, 1])
+    pool.step_async(np.zeros(2, np.int64))
+    time.sleep(1.5)  # the learner trains meanwhile; the workers answered at once, their replies half sent
+    assert pool.step_wait().infos[1]["frame"].nbytes == 4_000_000
     pool.close()
 
 

@@ -27,12 +27,43 @@ from clusterenv_core.inference import (  # noqa: E402
     load_weights,
     weights_fields,
 )
-from tests.envs import FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
+from tests.envs import ActionDtypeEnv, FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
 from tests.interrupts import interrupt_soon  # noqa: E402
-from tests.policies import ConstantPolicy, LinearPolicy, assert_rollout_matches, reference_rollout  # noqa: E402
+from tests.policies import (  # noqa: E402
+    BernoulliPolicy,
+    ConstantPolicy,
+    LinearPolicy,
+    assert_rollout_matches,
+    reference_rollout,
+)
 
 D = torch.distributions
 
+
+
+def test_rollouts_hand_envs_the_policys_dtype_whatever_the_learner_stepped_with():
+    # SB3's PPO samples float32 actions for a MultiBinary space and hands them on as they are.
+    env_fns = [functools.partial(ActionDtypeEnv, gym.spaces.MultiBinary(3))] * 2
+    with EnvPool(env_fns, num_workers=2) as pool:
+        pool.reset()
+        actors = pool.deploy(BernoulliPolicy(), seed=0)
+        first = actors.rollout(2)
+        pool.step(np.ones((2, 3), np.int8))  # an evaluation step, say, with int8 actions
+        second = actors.rollout(2)
+        for rollout in (first, second):
+            assert [info["dtype"] for info in rollout.infos[0].values()] == ["float32", "float32"]
+        assert [info["dtype"] for info in pool.step(np.ones((2, 3), np.int8)).infos.values()] == ["int8", "int8"]
+
+
+def test_env_restarts_are_counted_in_a_segment_that_fails():
+    # Env 0 is replaced at its step 2; env 1 at its first step, and its replacement raises there too,
+    # with no budget left.
+    env_fns = [lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=2), lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=1)]
+    with EnvPool(env_fns, num_workers=2, restart_failed_envs=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1])
+        with pytest.raises(EnvError):
+            pool.deploy(LinearPolicy(), seed=0).rollout(4)
+        assert pool.restarts == {"envs": 2, "workers": 0} and pool.env_restarts == [1, 1]
 
 def test_divergences_match_closed_forms():
     gen = torch.Generator().manual_seed(0)

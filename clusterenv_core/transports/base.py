@@ -19,6 +19,11 @@ from typing import Any
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
 
 
+class RequestNotSent(KeyboardInterrupt):
+    """Ctrl-C while a request was being pickled, before any of it was sent: no reply will come.
+    (Ctrl-C while it is written raises a plain ``KeyboardInterrupt``: it may be out.)"""
+
+
 class Transport(ABC):
     """Learner side of a backend: starts the workers and talks to each of them.
 
@@ -68,7 +73,7 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, worker: int, message: Any) -> None:
-        """Send a request to one worker."""
+        """Send a request to one worker (:class:`RequestNotSent` for Ctrl-C while it is pickled)."""
 
     @abstractmethod
     def recv(self, worker: int, timeout: float) -> Any:

@@ -38,7 +38,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.checks import check_bool, check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
-from clusterenv_core.transports.base import Transport, WorkerConnection
+from clusterenv_core.transports.base import RequestNotSent, Transport, WorkerConnection
 
 if TYPE_CHECKING:
     from clusterenv_core.transports.inline import InlineWorker
@@ -95,11 +95,10 @@ class _MessageSocket:
         several requests at once (a pool's workers stepping together) has that long for each, however
         late its reply is read. ``still_alive()`` is consulted while waiting and may raise."""
         message = self._take()
-        if message is None:
-            deadline = None if timeout is None else self.last_contact + timeout
-            while message is None:
-                self._read(deadline, still_alive)
-                message = self._take()
+        while message is None:
+            # Bytes count as contact: a large reply that came in time is read however late.
+            self._read(None if timeout is None else self.last_contact + timeout, still_alive)
+            message = self._take()
         self.last_contact = time.monotonic()
         return message[0]
 
@@ -125,6 +124,7 @@ class _MessageSocket:
         if count == 0:
             raise EOFError("connection closed")
         self._end += count
+        self.last_contact = time.monotonic()
 
     def _spin_recv(self, view: memoryview) -> int | None:
         """Poll for up to ``spin`` seconds; the bytes read, or ``None`` if nothing came."""
@@ -433,8 +433,12 @@ class LocalTransport(Transport):
         inline = self._inline(worker)
         if inline is not None:
             inline.request(message)
-        else:
-            self._send_frame(worker, _frame(message))
+            return
+        try:
+            frame = _frame(message)
+        except KeyboardInterrupt:
+            raise RequestNotSent from None
+        self._send_frame(worker, frame)
 
     def send_step(self, worker: int) -> None:
         # The pool starts its workers in order and the inline worker is the last: it steps its block

@@ -20,7 +20,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps, loads
-from clusterenv_core.transports.base import Transport
+from clusterenv_core.transports.base import RequestNotSent, Transport
 from clusterenv_core.transports.mpi.heartbeat import (
     DEFAULT_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -315,7 +315,10 @@ class MPITransport(Transport):
     def send(self, worker: int, message: Any) -> None:
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the MPI transport is closed")
-        data = dumps(message)
+        try:
+            data = dumps(message)
+        except KeyboardInterrupt:
+            raise RequestNotSent from None
         pending = self._sends[worker]
         if pending:
             pending[:] = [(request, buffer) for request, buffer in pending if not request.Test()]
