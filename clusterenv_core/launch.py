@@ -44,8 +44,9 @@ def run_worker_program(argv: list[str]) -> int:
         return 2
     backend, backend_argv = (argv[0], argv[1:]) if argv else ("mpi", [])
     # A crash in an env's C code (MuJoCo, ALE, ...) then leaves a Python traceback on stderr, which
-    # the learner shows in its WorkerLostError (local backend) or the launcher forwards (MPI).
-    faulthandler.enable()
+    # the learner shows in its WorkerLostError (local backend) or the launcher forwards (MPI). The
+    # crashing thread's alone: the worker's own threads would push the env's last words out of it.
+    faulthandler.enable(all_threads=False)
     try:
         from clusterenv_core.transports import worker_connection
         from clusterenv_core.worker import serve
