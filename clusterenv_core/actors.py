@@ -168,7 +168,7 @@ class WorkerActors:
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
         def count_env_restarts(worker: int, result: Any) -> None:  # as each reply comes: an error may follow
             for parts in (result or {}).get("steps", {}).values():
-                pool._count_env_restarts(parts)
+                pool._count_env_restarts(parts.get("env_restarts", ()))
 
         try:
             results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout, on_reply=count_env_restarts)

@@ -414,10 +414,10 @@ class EnvPool(DeprecatedPoolMethods):
         for index, obs in parts.get("obs", {}).items():
             self._obs[index] = obs
 
-    def _count_env_restarts(self, parts: dict) -> None:
-        """Count the envs a reply says were replaced, in all and per env: an env's budget of
-        ``max_restarts`` goes to the worker that replaces its worker."""
-        for index in parts.get("env_restarts", ()):
+    def _count_env_restarts(self, indices: Iterable[int]) -> None:
+        """Count the envs a reply says were replaced (its ``env_restarts``), in all and per env: an
+        env's budget of ``max_restarts`` goes to the worker that replaces its worker."""
+        for index in indices:
             self.restarts["envs"] += 1
             self.env_restarts[index] += 1
 
@@ -602,13 +602,13 @@ class EnvPool(DeprecatedPoolMethods):
         on_reply: Callable[[int, Any], None] | None = None,
     ) -> dict[int, Any]:
         """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
-        first env) is raised once all have answered. With ``step``, the envs the replies say were
-        replaced are counted, also those of replies that end in an error.
+        first env) is raised once all have answered. The envs the replies say were replaced are
+        counted: those of error replies always, those of a step's replies with ``step``.
 
         Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
         buffers and in the arrays given to :meth:`_send` first. ``on_reply(worker, result)`` runs
         after each successful reply, also when another worker's error is raised (who took a deployed
-        policy, which envs a segment replaced). The envs an error reply says were replaced are counted.
+        policy, which envs a segment replaced).
         """
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
@@ -632,11 +632,11 @@ class EnvPool(DeprecatedPoolMethods):
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
                     first_error = _remote_error(worker, result, what)
-                self._count_env_restarts({"env_restarts": result.env_restarts})
+                self._count_env_restarts(result.env_restarts)
             else:
                 results[worker] = result
                 if step and result is not None:  # counted here: an error of another worker may follow
-                    self._count_env_restarts(result)
+                    self._count_env_restarts(result.get("env_restarts", ()))
                 if on_reply is not None:
                     on_reply(worker, result)
         if first_error is not None:

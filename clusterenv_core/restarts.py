@@ -125,8 +125,7 @@ class WorkerRestarts:
         starting = np.zeros(len(block), dtype=bool)  # envs whose step was a reset: they start an episode
         if pool.autoreset_mode == "same_step":
             result["final_obs"] = previous
-            pool._send(worker, protocol.Reset([None] * len(block), [None] * len(block), None))
-            reset = pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}
+            reset = self._reset_replacement(worker, None)
             result["reset_infos"] = reset.get("infos", {})
             if "obs" in reset:
                 result["obs"] = reset["obs"]
@@ -141,9 +140,7 @@ class WorkerRestarts:
             if starting.any():
                 # Their episodes ended at the last step, which the user has seen: ending them again
                 # would add an episode of no steps. They take the reset step they were due.
-                mask = starting.tolist()
-                pool._send(worker, protocol.Reset([None] * len(block), [None] * len(block), mask))
-                reset = pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}
+                reset = self._reset_replacement(worker, starting.tolist())
                 for index, info in reset.get("infos", {}).items():
                     infos[index] = {**info, RESTART_INFO_KEY: reason}
                 if "obs" in reset:  # spaces without buffers
@@ -152,3 +149,10 @@ class WorkerRestarts:
         pool.buffers.terminated[rows] = False
         pool.buffers.truncated[rows] = ~starting
         return result
+
+    def _reset_replacement(self, worker: int, mask: list[bool] | None) -> dict:
+        """Reset the replacement's envs selected by ``mask`` (all when ``None``), unseeded; returns
+        the reply's parts (infos, observations of spaces without buffers)."""
+        size = len(self.pool.blocks[worker])
+        self.pool._send(worker, protocol.Reset([None] * size, [None] * size, mask))
+        return self.pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}
