@@ -236,6 +236,9 @@ _SCALAR_VALUES.update(dict.fromkeys(
 ))
 
 
+SCALAR_TYPES = tuple(_SCALAR_VALUES)  # the numpy scalar types that pickle by value
+
+
 def _reduce_scalar(value: np.generic) -> tuple:
     scalar_type = type(value)
     return scalar_type, (_SCALAR_VALUES[scalar_type](value),)

@@ -619,6 +619,23 @@ class StateInInfoEnv(gym.Env):
         return self.position.astype(np.float32), 0.0, False, False, {"position": self.position}
 
 
+class SameInfoDictEnv(gym.Env):
+    """Returns one info dict at every step, its plain values changed in place."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.info = {"steps": 0, "speed": np.float64(0.0)}
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.info["steps"] += 1
+        self.info["speed"] = np.float64(self.info["steps"] / 2)
+        return np.zeros(2, np.float32), 0.0, False, False, self.info
+
+
 class OneStepEnv(gym.Env):
     """Every episode is one step, which terminates with reward 1."""
 

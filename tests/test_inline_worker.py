@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from clusterenv_core import EnvError, EnvPool
-from tests.envs import FailingEnv, SlowCartPole, StateInInfoEnv, make_dict_env
+from tests.envs import FailingEnv, SameInfoDictEnv, SlowCartPole, StateInInfoEnv, make_dict_env
 from tests.interrupts import interrupt_soon
 from tests.test_failures import no_leaks  # noqa: F401  (fixture)
 
@@ -76,6 +76,18 @@ def test_infos_are_copies_not_the_envs_own_objects(no_leaks):
     for index in kept:
         np.testing.assert_array_equal(kept[index]["position"], as_returned[index]["position"])
         assert kept[index]["position"].tolist() == [1.0, 1.0]
+
+
+def test_plain_infos_are_copies_too(no_leaks):
+    """Infos of plain values only take a shorter way than pickle, and are still copies: an env that
+    returns one dict at every step, changed in place, leaves each step's info as it was."""
+    with EnvPool([SameInfoDictEnv] * 2, num_workers=2, backend_options={"inline_worker": True}) as pool:
+        pool.reset(seeds=[0, 1])
+        infos = [pool.step(np.zeros(2, np.int64)).infos for _ in range(3)]
+    for step, step_infos in enumerate(infos, start=1):
+        for index in (0, 1):
+            assert step_infos[index] == {"steps": step, "speed": step / 2}
+            assert type(step_infos[index]["speed"]) is np.float64
 
 
 def test_a_failing_inline_env_names_env_and_worker_and_the_pool_lives_on(no_leaks):
