@@ -166,12 +166,8 @@ class WorkerActors:
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
-        def count_env_restarts(worker: int, result: Any) -> None:  # as each reply comes: an error may follow
-            for parts in (result or {}).get("steps", {}).values():
-                pool._count_env_restarts(parts.get("env_restarts", ()))
-
         try:
-            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout, on_reply=count_env_restarts)
+            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout)
         finally:
             # Interrupted (Ctrl-C) with replies unread, the rollout stays pending: rollout_wait resumes
             # it, and any other call of the pool first finishes it.

@@ -603,12 +603,12 @@ class EnvPool(DeprecatedPoolMethods):
     ) -> dict[int, Any]:
         """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
         first env) is raised once all have answered. The envs the replies say were replaced are
-        counted: those of error replies always, those of a step's replies with ``step``.
+        counted as each reply comes (see :func:`_replaced_envs`), so also when an error follows.
 
         Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
         buffers and in the arrays given to :meth:`_send` first. ``on_reply(worker, result)`` runs
         after each successful reply, also when another worker's error is raised (who took a deployed
-        policy, which envs a segment replaced).
+        policy).
         """
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
@@ -629,14 +629,12 @@ class EnvPool(DeprecatedPoolMethods):
                 continue
             awaiting.pop(worker, None)
             reply_arrays.pop(worker, None)
+            self._count_env_restarts(_replaced_envs(request_type, status, result))
             if status == ERROR:
                 if first_error is None or worker < first_error.worker_index:
                     first_error = _remote_error(worker, result, what)
-                self._count_env_restarts(result.env_restarts)
             else:
                 results[worker] = result
-                if step and result is not None:  # counted here: an error of another worker may follow
-                    self._count_env_restarts(result.get("env_restarts", ()))
                 if on_reply is not None:
                     on_reply(worker, result)
         if first_error is not None:
@@ -651,18 +649,23 @@ class EnvPool(DeprecatedPoolMethods):
 
     def _drain(self, keep_steps: bool = False) -> None:
         """Read replies left unread by an interrupted call, so requests and replies stay paired
-        (``keep_steps``: not those of steps, which asynchronous batches still wait for)."""
+        (``keep_steps``: not those of steps, which asynchronous batches still wait for). Their
+        results are dropped, but the envs they say were replaced are counted, as :meth:`_gather`
+        counts them: a step or segment whose request went out before Ctrl-C ran on its worker."""
         for worker in sorted(self._awaiting):
             request_type = self._awaiting[worker]
             if keep_steps and request_type is None:
                 continue
             timeout = _reply_timeout(request_type, self.timeout)
             try:
-                _read_reply(self._transport, worker, request_type, timeout, self._reply_arrays.get(worker))
+                status, result = _read_reply(
+                    self._transport, worker, request_type, timeout, self._reply_arrays.get(worker)
+                )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
             del self._awaiting[worker]
             self._reply_arrays.pop(worker, None)
+            self._count_env_restarts(_replaced_envs(request_type, status, result))
         if not keep_steps:
             self._stepping = False
 
@@ -755,6 +758,20 @@ def _reply_timeout(request_type: type | None, timeout: float) -> float:
     """How long to wait for the reply to a request of ``request_type``: at least as long as for a
     starting worker where answering may mean importing large modules."""
     return max(timeout, START_TIMEOUT) if request_type is not None and request_type.IMPORTS else timeout
+
+
+def _replaced_envs(request_type: type | None, status: str, result: Any) -> list[int]:
+    """The envs that a worker's reply to a request of ``request_type`` (``None``: a step) says were
+    replaced (``restart_failed_envs``): an error reply's, a step's, a rollout segment's."""
+    if status == ERROR:
+        return list(result.env_restarts)
+    if result is None:
+        return []
+    if request_type is None:
+        return list(result.get("env_restarts", ()))
+    if request_type is protocol.Rollout:
+        return [index for parts in result.get("steps", {}).values() for index in parts.get("env_restarts", ())]
+    return []
 
 
 def _remote_error(worker: int, details: protocol.ErrorDetails, what: str) -> EnvError:

@@ -65,6 +65,33 @@ def test_env_restarts_are_counted_in_a_segment_that_fails():
             pool.deploy(LinearPolicy(), seed=0).rollout(4)
         assert pool.restarts == {"envs": 2, "workers": 0} and pool.env_restarts == [1, 1]
 
+
+def test_env_restarts_of_a_segment_cut_short_by_ctrl_c_are_counted(monkeypatch):
+    # Ctrl-C once worker 0 has its rollout request: its reply is read and dropped by the next call,
+    # and the env replaced in its segment counts all the same.
+    from clusterenv_core.transports import local
+
+    send_frame = local._MessageSocket.send_frame
+    armed = []
+
+    def interrupted_after_sending(self, frame):
+        send_frame(self, frame)
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
+    env_fns = [lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=2), lambda: gym.make("CartPole-v1")]
+    with EnvPool(env_fns, num_workers=2, restart_failed_envs=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy(), seed=0)
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            actors.rollout_async(4)
+        pool.reset(seeds=[0, 1])
+        assert pool.restarts == {"envs": 1, "workers": 0} and pool.env_restarts == [1, 0]
+
+
 def test_divergences_match_closed_forms():
     gen = torch.Generator().manual_seed(0)
     p, q = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
