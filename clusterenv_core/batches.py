@@ -199,15 +199,17 @@ class AsyncBatches:
         if pool._restarter is not None:
             pool._restarter.remember_step_start(block)
         # Envs get their actions in the space's dtypes, as EnvPool converts them to its own.
-        pool._set_action_dtypes(pool._space_action_dtypes, [worker])
-        pool._awaiting[worker] = None  # before the send: see EnvPool._send
+        pool._set_action_dtypes(pool._space_action_dtypes, [worker], step=True)
         self._stepping.append(worker)
+        self._started_at[worker] = time.monotonic()
+        if pool._restarter is not None and worker in pool._restarter.lost:
+            return  # lost while told the dtypes: replaced as a worker lost in its step
+        pool._awaiting[worker] = None  # before the send: see EnvPool._send
         try:
             pool._transport.send_step(worker)
         except (WorkerLostError, WorkerTimeoutError) as error:
             del pool._awaiting[worker]
             pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
-        self._started_at[worker] = time.monotonic()
 
     def recv(self) -> BatchResult:
         """Wait until ``batch_size`` envs have results (no wait when enough are in) and return those

@@ -284,7 +284,8 @@ class EnvPool(DeprecatedPoolMethods):
             batch_dtypes = [leaf.dtype for leaf in leaves]
             if batch_dtypes != self._batch_dtypes:
                 self._batch_dtypes = None
-                self._set_action_dtypes([delivered_dtype(f.dtype, b) for f, b in zip(layout.fields, batch_dtypes)])
+                dtypes = [delivered_dtype(f.dtype, b) for f, b in zip(layout.fields, batch_dtypes)]
+                self._set_action_dtypes(dtypes, step=True)
                 self._batch_dtypes = batch_dtypes
             for buffer, leaf in zip(self.buffers.actions, leaves):
                 buffer[...] = leaf
@@ -299,7 +300,10 @@ class EnvPool(DeprecatedPoolMethods):
         if self._restarter is not None:
             self._restarter.remember_step_start()
         transport = self._transport
+        lost = self._restarter.lost if self._restarter is not None else {}
         for worker in range(self.num_workers):
+            if worker in lost:  # lost while told the dtypes: step_wait replaces it
+                continue
             self._awaiting[worker] = None  # before the send, as in _send
             try:
                 transport.send_step(worker)
@@ -308,20 +312,28 @@ class EnvPool(DeprecatedPoolMethods):
                 self._lost_in_step(worker, error)
         self._stepping = True
 
-    def _set_action_dtypes(self, dtypes: list[np.dtype], workers: Iterable[int] | None = None) -> None:
+    def _set_action_dtypes(
+        self, dtypes: list[np.dtype], workers: Iterable[int] | None = None, step: bool = False
+    ) -> None:
         """Have ``workers`` (all by default) give envs their actions in ``dtypes``, one per action
-        field; only the workers that read them in others are told."""
+        field; only the workers that read them in others are told.
+
+        :param step: they are told for a step about to start: a worker lost meanwhile is, as in the
+            step, left to be replaced (:meth:`_lost_in_step`), and its replacement is told ``dtypes``
+        """
         known = self._worker_action_dtypes
         told = [worker for worker in (range(self.num_workers) if workers is None else workers) if known[worker] != dtypes]
         if not told:
             return
         if workers is not None:
             self._batch_dtypes = None  # the synchronous step's workers may read in others now
+        request = protocol.ActionDtypes(tuple(dtypes))
         for worker in told:
             known[worker] = None
-            self._send(worker, protocol.ActionDtypes(tuple(dtypes)))
-        self._gather(told, "setting the dtypes of actions")
-        for worker in told:
+            self._send(worker, request, step=step)
+        answering = [worker for worker in told if worker in self._awaiting]  # not those lost at the send
+        self._gather(answering, "setting the dtypes of actions", step=step)
+        for worker in told:  # a lost one's replacement is told them as it takes over (WorkerRestarts._take_over)
             known[worker] = dtypes
 
     def _split_batch(self, actions: Any) -> list:
@@ -564,11 +576,15 @@ class EnvPool(DeprecatedPoolMethods):
 
     # -- messaging (also used by WorkerActors and WorkerRestarts) ----------------------------------
 
-    def _send(self, worker: int, request: protocol.Request, reply_arrays: list | None = None) -> None:
+    def _send(
+        self, worker: int, request: protocol.Request, reply_arrays: list | None = None, step: bool = False
+    ) -> None:
         """Send ``request`` to ``worker``; its reply is read by :meth:`_gather` or :meth:`_drain`.
 
         :param reply_arrays: for a request whose reply is followed by arrays (``REPLY_ARRAYS``), the
             arrays (views of a region) they are received into, whoever reads the reply
+        :param step: the request prepares a step: a lost worker is handled as in the step
+            (:meth:`_lost_in_step`), and nothing is awaited from it
         """
         # Awaited before it is sent: Ctrl-C while it is written may raise once it is out (sendall
         # runs signal handlers after writing), and its reply must still be read as this request's.
@@ -579,6 +595,9 @@ class EnvPool(DeprecatedPoolMethods):
             self._transport.send(worker, request)
         except ClusterEnvError as error:
             self._not_awaiting(worker)
+            if step and isinstance(error, (WorkerLostError, WorkerTimeoutError)):
+                self._lost_in_step(worker, error)
+                return
             raise self._fail(error)
         except RequestNotSent:
             self._not_awaiting(worker)

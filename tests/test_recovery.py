@@ -13,7 +13,7 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import ChattyEnv, FailingEnv, HangingEnv, ResetFailingEnv, SuicidalEnv
+from tests.envs import ActionDtypeEnv, ChattyEnv, FailingEnv, HangingEnv, ResetFailingEnv, SuicidalEnv
 from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -238,6 +238,57 @@ def test_lost_worker_is_replaced_same_step():
         pool.step(_zeros(pool))
         with pytest.raises(WorkerLostError):  # the replacement dies too, and the budget is spent
             pool.step(_zeros(pool))
+
+
+def _dtype_echoing_envs(num_envs: int) -> list:
+    return [functools.partial(ActionDtypeEnv, gym.spaces.Box(-1.0, 1.0, (1,), np.float32))] * num_envs
+
+
+def _lose_worker(pid: int, how: str) -> None:
+    """``killed``: the worker is gone before it is told anything (sending to it fails); ``stopped``:
+    it takes the request and never answers (its reply times out)."""
+    os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_worker_lost_while_told_new_action_dtypes_is_replaced(how):
+    # Actions in float64 after float32: the workers are told the new dtype before the step starts.
+    with EnvPool(_dtype_echoing_envs(2), num_workers=2, timeout=2.0, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(np.zeros((2, 1), np.float32))
+        _lose_worker(pool.worker_pids[0], how)
+        result = pool.step(np.zeros((2, 1), np.float64))
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        assert result.truncated.tolist() == [True, False] and RESTART_INFO_KEY in result.infos[0]
+        assert result.infos[1]["dtype"] == "float64"
+        result = pool.step(np.zeros((2, 1), np.float64))  # the replacement was told the dtype
+        assert [result.infos[index]["dtype"] for index in (0, 1)] == ["float64", "float64"]
+
+
+def test_a_worker_lost_while_told_the_spaces_dtypes_for_asynchronous_batches_is_replaced():
+    options = {"autoreset_mode": "next_step", "restart_failed_workers": True}
+    with EnvPool(_dtype_echoing_envs(2), num_workers=2, **options) as pool:
+        batches = pool.async_batches(1)
+        batches.reset(seeds=[0, 1])
+        for _ in range(2):
+            batches.recv()
+        pool.step(np.zeros((2, 1), np.float64))  # the workers read float64, batches give float32
+        batches.reset(seeds=[0, 1])
+        _lose_worker(pool.worker_pids[0], "killed")
+        for _ in range(2):
+            batches.send(np.zeros((1, 1), np.float64), batches.recv().env_ids)
+        infos: dict[int, list] = {0: [], 1: []}
+        for _ in range(1000):  # env 0's episode ends truncated, its reset step follows, then a step
+            result = batches.recv()
+            env = int(result.env_ids[0])
+            infos[env].append(result.infos.get(env, {}))
+            batches.send(np.zeros((1, 1), np.float64), result.env_ids)
+            if len(infos[0]) == 3:
+                break
+        assert pool.restarts == {"envs": 0, "workers": 1} and RESTART_INFO_KEY in infos[0][0]
+        assert [info["dtype"] for info in infos[0][2:]] == ["float32"]  # the replacement reads the space's dtype
+        assert {info["dtype"] for info in infos[1]} == {"float32"}
 
 
 def test_a_replacement_workers_stderr_is_forwarded_however_often_it_was_replaced(capfd):
