@@ -30,6 +30,7 @@ import numpy as np
 from clusterenv_cleanrl.batched_infos import batch_infos
 from clusterenv_core import EnvPool
 from clusterenv_core.checks import check_int
+from clusterenv_core.pool import NotCopyable
 
 
 def _copy(batch: Any) -> Any:
@@ -65,7 +66,7 @@ def _add_info(batched: dict[str, Any], info: dict, position: int, count: int) ->
     return batched
 
 
-class ClusterEnvPool:
+class ClusterEnvPool(NotCopyable):
     """EnvPool's gymnasium API (``async_reset``/``recv``/``send``, ``step``/``reset``) over env factories.
 
     :param env_fns: one factory per env (or give ``env_id`` and ``num_envs``)

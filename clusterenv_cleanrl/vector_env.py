@@ -32,6 +32,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from clusterenv_cleanrl.batched_infos import batch_infos
 from clusterenv_core import EnvPool, SpaceMismatchError, StepResult
+from clusterenv_core.pool import NotCopyable
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
@@ -62,7 +63,7 @@ def _start_pool(
         raise RuntimeError(str(error)) from error
 
 
-class _PoolVectorEnv(gym.vector.VectorEnv):
+class _PoolVectorEnv(NotCopyable, gym.vector.VectorEnv):
     """What both gymnasium versions share: the pool, batching observations, per-env access, closing."""
 
     pool: EnvPool

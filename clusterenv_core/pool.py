@@ -63,7 +63,20 @@ def _blocks(num_envs: int, num_workers: int) -> list[range]:
     return blocks
 
 
-class EnvPool(DeprecatedPoolMethods):
+class NotCopyable:
+    """Refuses ``copy.copy``, ``copy.deepcopy`` and pickling with a ``TypeError`` that says why: what
+    holds a pool holds worker processes, which a copy could neither take along nor safely share
+    (closing one would stop the other's workers)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        name = type(self).__name__
+        raise TypeError(
+            f"this {name} cannot be copied or pickled: its envs live in worker processes, which a copy could "
+            f"neither take along nor safely share; build another {name} from the env factories instead"
+        )
+
+
+class EnvPool(NotCopyable, DeprecatedPoolMethods):
     """Environments on worker processes, stepped in parallel in contiguous blocks.
 
     :param env_fns: picklable callables that each build one environment (closures and classes
@@ -88,6 +101,8 @@ class EnvPool(DeprecatedPoolMethods):
         first env's space, so a looser test must still require its dtype and shape: gymnasium's
         ``is_space_dtype_shape_equiv``, for ``SyncVectorEnv``'s ``observation_mode="different"``.
         :attr:`observation_spaces` holds each env's.
+
+    A pool cannot be copied or pickled (``TypeError``): its envs live in its worker processes.
 
     A replaced env or worker ends its interrupted episodes as truncated, with the reason under the
     info key :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`; :attr:`restarts` counts them (and

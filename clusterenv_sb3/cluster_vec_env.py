@@ -14,9 +14,10 @@ from stable_baselines3.common.preprocessing import check_for_nested_spaces
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
 from clusterenv_core import EnvPool
+from clusterenv_core.pool import NotCopyable
 
 
-class ClusterVecEnv(VecEnv):
+class ClusterVecEnv(NotCopyable, VecEnv):
     """Drop-in for ``DummyVecEnv``/``SubprocVecEnv``: same results as ``DummyVecEnv``, envs on workers.
 
     ``step_async`` returns at once while the workers step their blocks of envs in parallel. Episodes

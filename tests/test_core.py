@@ -222,3 +222,40 @@ def test_a_clusterenv_core_in_the_working_directory_does_not_shadow_the_learners
     with EnvPool.make("CartPole-v1", 2, num_workers=1, timeout=30) as pool:
         pool.reset(seeds=[0, 1])
         assert pool.step(np.zeros(2, np.int64)).rewards.tolist() == [1.0, 1.0]
+
+
+def _cluster_vec_env(env_fns):
+    pytest.importorskip("stable_baselines3")
+    from clusterenv_sb3 import ClusterVecEnv
+
+    return ClusterVecEnv(env_fns, num_workers=1)
+
+
+def _cluster_vector_env(env_fns):
+    from clusterenv_cleanrl import ClusterVectorEnv
+
+    return ClusterVectorEnv(env_fns, num_workers=1)
+
+
+def _cluster_env_pool(env_fns):
+    from clusterenv_cleanrl import ClusterEnvPool
+
+    return ClusterEnvPool(env_fns, num_workers=1)
+
+
+@pytest.mark.parametrize(
+    "make", [functools.partial(EnvPool, num_workers=1), _cluster_vec_env, _cluster_vector_env, _cluster_env_pool]
+)
+def test_copying_or_pickling_a_pool_or_an_adapter_says_why_it_cannot(make):
+    import copy
+    import pickle
+
+    import cloudpickle
+
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 2
+    with make(env_fns) as holder:
+        name = type(holder).__name__
+        for operation in (copy.copy, copy.deepcopy, pickle.dumps, cloudpickle.dumps):
+            with pytest.raises(TypeError, match=f"this {name} cannot be copied or pickled: its envs live in worker processes"):
+                operation(holder)
+        holder.reset()  # untouched

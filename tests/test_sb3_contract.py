@@ -267,3 +267,36 @@ def test_subproc_vec_env_keywords_run_unchanged():
         expected.close()
     with pytest.raises(ValueError, match="start_method must be one of"):
         ClusterVecEnv([functools.partial(gym.make, "CartPole-v1")], start_method="telepathy")
+
+
+def test_saving_loading_and_evaluating_never_copy_or_pickle_the_env(tmp_path, monkeypatch):
+    """A ClusterVecEnv refuses to be copied or pickled, and SB3's usual flows never ask: ``model.save``
+    leaves the env out, ``VecNormalize.save`` its venv; ``EvalCallback`` (saving the best model) and
+    ``evaluate_policy`` use the env as it is."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import EvalCallback
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    from clusterenv_core.pool import NotCopyable
+
+    asked = []  # also attempts whose TypeError something caught
+    refuse = NotCopyable.__reduce_ex__
+
+    def recording_refusal(self, protocol):
+        asked.append(type(self).__name__)
+        return refuse(self, protocol)
+
+    monkeypatch.setattr(NotCopyable, "__reduce_ex__", recording_refusal)
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 2
+    with ClusterVecEnv(env_fns, num_workers=2) as train_env, ClusterVecEnv(env_fns, num_workers=1) as eval_env:
+        venv, eval_venv = VecNormalize(train_env), VecNormalize(eval_env, training=False)
+        model = PPO("MlpPolicy", venv, n_steps=32, batch_size=32, n_epochs=1, seed=0)
+        evaluation = EvalCallback(eval_venv, eval_freq=32, n_eval_episodes=2, best_model_save_path=str(tmp_path / "best"))
+        model.learn(128, callback=evaluation)
+        model.save(tmp_path / "ppo")
+        venv.save(tmp_path / "vec_normalize.pkl")
+        loaded = PPO.load(tmp_path / "ppo", env=VecNormalize.load(tmp_path / "vec_normalize.pkl", train_env), seed=0)
+        loaded.learn(64)
+        evaluate_policy(loaded, eval_venv, n_eval_episodes=2)
+        assert (tmp_path / "best" / "best_model.zip").exists()
+    assert asked == []
