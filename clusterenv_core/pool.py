@@ -126,6 +126,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         backend_options: dict[str, Any] | None = None,
         observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
     ) -> None:
+        _refuse_a_pool_built_by_a_worker_import()
         env_fns = list(env_fns)
         num_envs = len(env_fns)
         if num_envs == 0:
@@ -773,6 +774,49 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _refuse_a_pool_built_by_a_worker_import() -> None:
+    """Raise ``RuntimeError`` if a worker of this process is importing a module that builds a pool.
+
+    Workers import the modules of what the learner sends them: of the env factories, the entry
+    points of registered ids, a deployed policy. A module that builds a pool when imported, not
+    under ``if __name__ == "__main__":``, would have every worker start workers of its own, which
+    import it in turn: processes without end. multiprocessing refuses the same mistake while its
+    children start; this refuses it before anything starts, and the worker reports the error as it
+    reports any other of unpickling a factory or creating an env.
+
+    Refused is a pool constructed while the import system runs a module's body below a worker's
+    serving loop, both recognized by their frames on the stack (a few dozen to walk). A pool that
+    an env builds when it is created or stepped (an env that distributes sub-envs of its own) is no
+    import's and is allowed, as is one a module builds as the learner imports it.
+    """
+    worker_module = sys.modules.get("clusterenv_core.worker")
+    if worker_module is None:
+        return  # no worker in this process
+    serving = (worker_module.Worker.serve.__code__, worker_module.Worker.handle.__code__)
+    importing = None  # the innermost module whose import is running
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in serving:
+        caller = frame.f_back
+        # The import system runs a module's body from a frame of its own (importlib._bootstrap).
+        if (
+            importing is None
+            and frame.f_code.co_name == "<module>"
+            and caller is not None
+            and caller.f_globals.get("__name__", "").startswith("importlib._bootstrap")
+        ):
+            importing = frame.f_globals.get("__name__")
+        frame = caller
+    if frame is None or importing is None:
+        return
+    raise RuntimeError(
+        f"a pool is being constructed while a worker imports the module {importing!r}: that module builds "
+        "a pool when it is imported, so every worker that imports it (to unpickle an env factory defined "
+        "there, say) would start workers of its own, which import it again, without end. Construct the "
+        f'pool in {importing!r} under `if __name__ == "__main__":` (or in a function that the script '
+        "calls), so that importing the module only defines what the workers need"
+    )
 
 
 def _pickle_factories(env_fns: list, block: range) -> list[bytes]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import random
 import signal
@@ -755,3 +756,26 @@ class ShadeEnv(gym.Env):
 
     def step(self, action):
         return ("light", "dark")[int(action)], float(action), False, False, {}
+
+
+class SubPoolEnv(gym.Env):
+    """CartPole stepped in a pool of one worker that the env builds when it is created: a pool inside
+    a worker that no import builds (an env that distributes sub-envs of its own)."""
+
+    def __init__(self) -> None:
+        from clusterenv_core import EnvPool
+
+        self.pool = EnvPool([functools.partial(gym.make, "CartPole-v1")], num_workers=1)
+        self.observation_space = self.pool.observation_space
+        self.action_space = self.pool.action_space
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.pool.reset(seeds=[seed]).obs[0].copy(), {}
+
+    def step(self, action):
+        result = self.pool.step(np.array([action]))
+        return result.obs[0].copy(), float(result.rewards[0]), bool(result.terminated[0]), bool(result.truncated[0]), {}
+
+    def close(self) -> None:
+        self.pool.close()

@@ -142,6 +142,48 @@ def test_unpicklable_factory_is_rejected_before_start(no_leaks):
         EnvPool([CARTPOLE, lambda: (lock, gym.make("CartPole-v1"))[1]])
 
 
+def test_a_module_that_builds_a_pool_when_a_worker_imports_it_fails_the_pool(no_leaks):
+    """A module without ``if __name__ == "__main__":`` that builds a pool at import, and defines the
+    env factory: each worker unpickling the factory imports it and would start workers of its own,
+    which import it again (a fork bomb). The worker's pool is refused before anything starts, and
+    the pool being built fails, saying why."""
+    from tests.pool_at_import import make_cartpole, worker_options
+
+    started = time.monotonic()
+    with pytest.raises(EnvError) as caught:
+        EnvPool([make_cartpole] * 2, num_workers=2, backend_options=worker_options(1))
+    assert time.monotonic() - started < 30  # an error, not a timeout
+    error = caught.value
+    assert (error.env_index, error.worker_index) == (0, 0)
+    assert (error.operation, error.exc_type) == ("unpickling the env factory", "builtins.RuntimeError")
+    message = str(error)
+    assert "a pool is being constructed while a worker imports the module 'tests.pool_at_import'" in message
+    assert "Construct the pool in 'tests.pool_at_import' under `if __name__ == \"__main__\":`" in message
+
+
+def test_a_module_that_builds_a_pool_when_an_entry_point_imports_it_fails_the_pool(no_leaks):
+    """The same module reached by an env id's entry point, imported as the worker creates the env."""
+    from tests.pool_at_import import worker_options
+
+    gym.register("PoolAtImport-v0", entry_point="tests.pool_at_import:make_cartpole")
+    try:
+        with pytest.raises(EnvError, match="creating the env failed in env 0 on worker 0") as caught:
+            EnvPool.make("PoolAtImport-v0", 1, backend_options=worker_options(1))
+    finally:
+        gym.registry.pop("PoolAtImport-v0")
+    assert "while a worker imports the module 'tests.pool_at_import'" in str(caught.value)
+
+
+def test_an_env_may_build_a_pool_of_its_own(no_leaks):
+    """What is refused is a pool built by an import: an env that builds one when created is allowed."""
+    from tests.envs import SubPoolEnv
+
+    pool = EnvPool([SubPoolEnv], num_workers=1)
+    assert pool.reset(seeds=[0]).obs.shape == (1, 4)
+    assert pool.step(np.zeros(1, dtype=np.int64)).obs.shape == (1, 4)
+    pool.close()
+
+
 def test_a_misspelt_option_is_a_type_error_as_for_any_python_call(no_leaks):
     # What SyncVectorEnv or DummyVecEnv would raise for it, so code written for them behaves alike.
     with pytest.raises(TypeError, match="bad options for backend 'local': .*unexpected keyword argument 'autoreset'"):
