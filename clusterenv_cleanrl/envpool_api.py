@@ -12,7 +12,9 @@ EnvPool runs its own C++ tasks only and refuses Python envs by design; this runs
 or registered id, locally or on MPI ranks (the pool's ``backend`` and options). Episodes reset as
 EnvPool's do (gymnasium's next-step mode): after an episode ends, the env's next action is ignored
 and it returns its reset observation with reward 0. With ``batch_size == num_envs`` the results are
-those of ``SyncVectorEnv`` in next-step mode. Infos are one dict of arrays over the batch:
+those of ``SyncVectorEnv`` in next-step mode, and each env's ``reset`` gets the keywords the
+installed gymnasium's ``SyncVectorEnv`` passes (EnvPool's C++ envs have no Python ``reset`` to
+follow; CleanRL's EnvPool scripts pin gymnasium 0.29). Infos are one dict of arrays over the batch:
 ``env_id`` (int32), and the envs' own infos with ``_key`` masks as gymnasium batches them.
 Observations are copies; ``send``'s rules are :meth:`AsyncBatches.send
 <clusterenv_core.batches.AsyncBatches.send>`'s.
@@ -28,6 +30,7 @@ import gymnasium as gym
 import numpy as np
 
 from clusterenv_cleanrl.batched_infos import batch_infos
+from clusterenv_cleanrl.vector_env import RESET_OMIT_IF_NONE
 from clusterenv_core import EnvPool
 from clusterenv_core.checks import check_int
 from clusterenv_core.pool import NotCopyable
@@ -122,7 +125,7 @@ class ClusterEnvPool(NotCopyable):
     def async_reset(self) -> None:
         """Reset every env (seeded the first time); the next ``recv`` returns reset observations."""
         seeds = None if self._seeded else [self.seed + index for index in range(self.num_envs)]
-        self.batches.reset(seeds)
+        self.batches.reset(seeds, omit_if_none=RESET_OMIT_IF_NONE)
         self._seeded = True
 
     def send(self, action: Any, env_id: Any = None) -> None:
@@ -154,7 +157,7 @@ class ClusterEnvPool(NotCopyable):
             obs, _, _, _, infos = self.recv()
             return obs, infos
         env_ids = np.asarray(env_id)
-        obs, infos_by_env = self.batches.reset_envs(env_ids)
+        obs, infos_by_env = self.batches.reset_envs(env_ids, omit_if_none=RESET_OMIT_IF_NONE)
         infos = _batch_infos(infos_by_env, env_ids.tolist())
         infos["env_id"] = env_ids.astype(np.int32)
         return obs, infos

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from clusterenv_cleanrl.vector_env import RESET_OMIT_IF_NONE
 from clusterenv_core.aaps import PolicySync
 from clusterenv_core.checks import check_int
 from clusterenv_core.pool import EnvPool
@@ -442,7 +443,8 @@ class WorkerRollouts:
         self.num_envs = self.pool.num_envs
         self.overlap = bool(overlap)
         seeds = None if seed is None else [seed + i for i in range(self.num_envs)]
-        self.pool.reset(seeds=seeds)
+        # The reset a CleanRL script's envs.reset(seed=seed) did: a ClusterVectorEnv's passes SyncVectorEnv's keywords.
+        self.pool.reset(seeds=seeds, omit_if_none=() if isinstance(envs, EnvPool) else RESET_OMIT_IF_NONE)
         #: the policy copies on the workers (:class:`~clusterenv_core.actors.WorkerActors`)
         self.actors = self.pool.deploy(policy, seed=seed)
         self.sync = PolicySync(self.actors, policy, mode=sync, threshold=threshold, max_staleness=max_staleness,

@@ -2,7 +2,8 @@
 
 Replace ``gym.vector.SyncVectorEnv(env_fns)`` with ``ClusterVectorEnv(env_fns)``: observations,
 rewards, terminations, truncations and infos are what ``SyncVectorEnv`` returns for the same
-environments, seeds and actions. The constructor and the results follow the installed gymnasium:
+environments, seeds and actions, and each env's ``reset`` gets the keywords ``SyncVectorEnv`` passes
+(:data:`RESET_OMIT_IF_NONE`). The constructor and the results follow the installed gymnasium:
 
 - gymnasium 1.x: ``ClusterVectorEnv(env_fns, copy=True, observation_mode="same",
   autoreset_mode=AutoresetMode.NEXT_STEP, ...)``, with the three autoreset modes and partial resets
@@ -35,6 +36,11 @@ from clusterenv_core import EnvPool, SpaceMismatchError, StepResult
 from clusterenv_core.pool import NotCopyable
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
+
+#: The keywords of an env's ``reset`` left out when ``None`` (``EnvPool.reset``'s ``omit_if_none``),
+#: as the installed gymnasium's ``SyncVectorEnv`` leaves them out: 1.x passes ``seed=`` and
+#: ``options=`` always, 0.29 each only when not ``None``.
+RESET_OMIT_IF_NONE: tuple[str, ...] = () if GYMNASIUM_1 else ("seed", "options")
 
 
 def _like(template: Any, batch: Any) -> Any:
@@ -264,7 +270,9 @@ if GYMNASIUM_1:
             if options is not None and "reset_mask" in options:
                 reset_mask = options.pop("reset_mask")
                 self._check_reset_mask(reset_mask)
-            result = self.pool.reset(seeds=seed, options=[options] * self.num_envs, mask=reset_mask)
+            result = self.pool.reset(
+                seeds=seed, options=[options] * self.num_envs, mask=reset_mask, omit_if_none=RESET_OMIT_IF_NONE
+            )
             self._autoreset_envs[slice(None) if reset_mask is None else reset_mask] = False
             return self._batch(result.obs), self._vector_infos(result.infos)
 
@@ -399,7 +407,7 @@ else:
             if isinstance(seed, int):
                 seed = [seed + i for i in range(self.num_envs)]
             assert len(seed) == self.num_envs  # the AssertionError SyncVectorEnv raises
-            result = self.pool.reset(seeds=seed, options=[options] * self.num_envs)
+            result = self.pool.reset(seeds=seed, options=[options] * self.num_envs, omit_if_none=RESET_OMIT_IF_NONE)
             return self._batch(result.obs), self._vector_infos(result.infos)
 
         def step_async(self, actions: Any) -> None:

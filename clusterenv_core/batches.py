@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clusterenv_core import protocol
-from clusterenv_core.checks import check_int, is_int
+from clusterenv_core.checks import check_int, check_names, is_int
 from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.results import BatchResult
 
@@ -109,26 +110,37 @@ class AsyncBatches:
         """Whether some worker is stepping (the pool's other calls wait until none is)."""
         return bool(self._stepping)
 
-    def reset(self, seeds: list[int | None] | None = None, options: list[dict | None] | None = None) -> None:
+    def reset(
+        self,
+        seeds: list[int | None] | None = None,
+        options: list[dict | None] | None = None,
+        omit_if_none: Sequence[str] = (),
+    ) -> None:
         """Reset every env (with the pool's :meth:`~clusterenv_core.pool.EnvPool.reset` arguments);
         afterwards every env is ready for :meth:`recv`, in env order, and results not yet returned
         are dropped. No worker may be stepping."""
         if self._stepping:
             raise ClusterEnvError("reset while envs are stepping: recv their results first")
-        result = self.pool.reset(seeds, options)
+        result = self.pool.reset(seeds, options, omit_if_none=omit_if_none)
         self._returned[:] = False
         self._has_action[:] = False
         self._ready = deque(range(self.pool.num_envs))
         self._infos = {index: info for index, info in result.infos.items()}
         self._started = True
 
-    def reset_envs(self, env_ids: Any) -> tuple[Any, dict[int, dict]]:
+    def reset_envs(self, env_ids: Any, omit_if_none: Sequence[str] = ()) -> tuple[Any, dict[int, dict]]:
         """Reset the envs ``env_ids``, which :meth:`recv` returned and have no action yet (their
         workers are idle, whatever the others do); returns their reset observations (new arrays,
-        in the order of ``env_ids``) and non-empty infos. They still wait for their actions."""
+        in the order of ``env_ids``) and non-empty infos. They still wait for their actions.
+
+        :param env_ids: the envs to reset
+        :param omit_if_none: as for :meth:`~clusterenv_core.pool.EnvPool.reset`: the envs get
+            ``reset(seed=None, options=None)`` less the keywords named here
+        """
         pool = self.pool
         pool._check_usable()
         env_ids = self._check_env_ids(env_ids)
+        omit_if_none = check_names("omit_if_none", omit_if_none, protocol.RESET_KEYWORDS)
         mask = np.zeros(pool.num_envs, dtype=bool)
         mask[env_ids] = True
         workers = self._workers_of(env_ids)
@@ -136,7 +148,8 @@ class AsyncBatches:
         for worker in workers:
             block = pool.blocks[worker]
             size = len(block)
-            pool._send(worker, protocol.Reset([None] * size, [None] * size, mask[block.start : block.stop].tolist()))
+            block_mask = mask[block.start : block.stop].tolist()
+            pool._send(worker, protocol.Reset([None] * size, [None] * size, block_mask, omit_if_none))
         infos: dict[int, dict] = {}
         for parts in pool._gather(workers, "reset").values():
             if parts is not None:

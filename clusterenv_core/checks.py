@@ -69,3 +69,15 @@ def per_env_values(values: Any, num_envs: int, what: str) -> list:
     if len(values) != num_envs:
         raise ValueError(f"{what}: expected {num_envs} values (one per env), got {len(values)}")
     return values
+
+
+def check_names(what: str, names: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``names``, some of ``allowed``, as a tuple; ``TypeError`` naming ``what`` for a string or a
+    non-iterable, ``ValueError`` for a name not allowed."""
+    if isinstance(names, str) or not hasattr(names, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of names from {allowed}, got {names!r}")
+    names = tuple(names)
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise ValueError(f"{what} may name only {allowed}, got {unknown!r}")
+    return names

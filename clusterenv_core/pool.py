@@ -23,7 +23,7 @@ import numpy as np
 from clusterenv_core import protocol, registry
 from clusterenv_core.actors import DeprecatedPoolMethods
 from clusterenv_core.buffers import BatchSpec
-from clusterenv_core.checks import check_bool, check_indices, check_int, check_seconds, per_env_values
+from clusterenv_core.checks import check_bool, check_indices, check_int, check_names, check_seconds, per_env_values
 from clusterenv_core.errors import (
     ENV_ERROR_CLASSES,
     ClusterEnvError,
@@ -405,8 +405,10 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         seeds: Sequence[int | None] | None = None,
         options: Sequence[dict | None] | None = None,
         mask: np.ndarray | None = None,
+        omit_if_none: Sequence[str] = (),
     ) -> ResetResult:
-        """Reset the envs selected by ``mask`` (all by default).
+        """Reset the envs selected by ``mask`` (all by default): each env's ``reset`` gets ``seed=`` and
+        ``options=``, each left out where it is ``None`` if ``omit_if_none`` names it.
 
         :param seeds: one seed (or ``None``) per env, passed to its ``reset`` as given: what a seed
             may be is the env's to decide, as under ``DummyVecEnv`` and ``SyncVectorEnv`` (gymnasium's
@@ -414,11 +416,17 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         :param options: one options dict (or ``None``) per env
         :param mask: boolean array of shape ``(num_envs,)``; envs outside it keep their state and
             their observation rows
+        :param omit_if_none: some of ``"seed"`` and ``"options"``: the keywords to leave out where
+            their value is ``None``, so that an env whose ``reset`` lacks them works as under the
+            vector env the caller stands in for (gymnasium 1.x's ``SyncVectorEnv`` passes both
+            always, gymnasium 0.29's neither when ``None``, SB3's ``DummyVecEnv`` ``options`` only
+            when set)
         """
         self._check_usable()
         self._check_not_stepping()
         seeds = per_env_values(seeds, self.num_envs, "seeds")
         options = per_env_values(options, self.num_envs, "options")
+        omit_if_none = check_names("omit_if_none", omit_if_none, protocol.RESET_KEYWORDS)
         if mask is not None:
             mask = np.asarray(mask)
             if mask.shape != (self.num_envs,) or mask.dtype != np.bool_:
@@ -429,7 +437,8 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
             block_mask = None if mask is None else mask[block.start : block.stop].tolist()
             if block_mask is not None and not any(block_mask):
                 continue
-            self._send(worker, protocol.Reset(seeds[block.start : block.stop], options[block.start : block.stop], block_mask))
+            block_seeds, block_options = seeds[block.start : block.stop], options[block.start : block.stop]
+            self._send(worker, protocol.Reset(block_seeds, block_options, block_mask, omit_if_none))
             targets.append(worker)
         infos: dict[int, dict] = {}
         for parts in self._gather(targets, "reset").values():

@@ -98,16 +98,24 @@ class ActionDtypes(Request):
     dtypes: tuple
 
 
+RESET_KEYWORDS = ("seed", "options")
+"""The keywords a :class:`Reset` passes to each env's ``reset``."""
+
+
 @dataclass(frozen=True)
 class Reset(Request):
-    """Reset the envs selected by ``mask`` (all when ``None``); the reply's result is a
-    :class:`StepParts` dict (infos, pickled observations) or ``None``."""
+    """Reset the envs selected by ``mask`` (all when ``None``) with ``env.reset(seed=..., options=...)``,
+    leaving out the keywords named in ``omit_if_none`` where their value is ``None``: the baselines
+    differ in what they pass (SB3's vec envs pass ``options`` only when set, gymnasium 0.29's
+    ``SyncVectorEnv`` neither keyword when ``None``), and the caller chooses. The reply's result is
+    a :class:`StepParts` dict (infos, pickled observations) or ``None``."""
 
     REPLY_ROWS: ClassVar[bool] = True
 
     seeds: list
     options: list
     mask: list[bool] | None
+    omit_if_none: tuple[str, ...]  # some of RESET_KEYWORDS
 
 
 @dataclass(frozen=True)

@@ -151,8 +151,9 @@ class WorkerRestarts:
         return result
 
     def _reset_replacement(self, worker: int, mask: list[bool] | None) -> dict:
-        """Reset the replacement's envs selected by ``mask`` (all when ``None``), unseeded; returns
-        the reply's parts (infos, observations of spaces without buffers)."""
+        """Reset the replacement's envs selected by ``mask`` (all when ``None``) with ``reset()``, as
+        autoresets and a worker's own env replacements reset; returns the reply's parts (infos,
+        observations of spaces without buffers)."""
         size = len(self.pool.blocks[worker])
-        self.pool._send(worker, protocol.Reset([None] * size, [None] * size, mask))
+        self.pool._send(worker, protocol.Reset([None] * size, [None] * size, mask, protocol.RESET_KEYWORDS))
         return self.pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}

@@ -293,7 +293,7 @@ class EnvBlock:
             f"replaced by a new env (restart {self.env_restarts[slot]} of {self.max_env_restarts})"
         )
 
-    def reset(self, seeds: list, options: list, mask: list[bool] | None) -> dict | None:
+    def reset(self, seeds: list, options: list, mask: list[bool] | None, omit_if_none: tuple[str, ...]) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``) with their seeds and options; their
         rows then say reward 0, neither terminated nor truncated, as after the reset step of
         ``next_step`` mode.
@@ -301,6 +301,8 @@ class EnvBlock:
         :param seeds: one seed (or ``None``) per env of the block
         :param options: one options dict (or ``None``) per env of the block
         :param mask: one bool per env of the block, or ``None`` for all
+        :param omit_if_none: the keywords (``"seed"``, ``"options"``) not passed to ``reset`` where
+            their value is ``None``
         """
         buffers = self.buffers
         infos: dict[int, dict] = {}
@@ -308,8 +310,12 @@ class EnvBlock:
         for slot, env in enumerate(self.envs):
             if mask is not None and not mask[slot]:
                 continue
+            keywords = {"seed": seeds[slot], "options": options[slot]}
+            for name in omit_if_none:
+                if keywords[name] is None:
+                    del keywords[name]
             try:
-                obs, info = checked_reset(env.reset(seed=seeds[slot], options=options[slot]))
+                obs, info = checked_reset(env.reset(**keywords))
                 if self.obs_layout.buffered:
                     try:
                         self.write_obs(self.row0 + slot, obs)
@@ -602,7 +608,7 @@ class Worker:
         self.block.set_action_dtypes(request.dtypes)
 
     def reset(self, request: protocol.Reset) -> dict | None:
-        return self.block.reset(request.seeds, request.options, request.mask)
+        return self.block.reset(request.seeds, request.options, request.mask, request.omit_if_none)
 
     def preload(self, request: protocol.Preload) -> None:
         for name in request.modules:

@@ -23,7 +23,8 @@ class ClusterVecEnv(NotCopyable, VecEnv):
     ``step_async`` returns at once while the workers step their blocks of envs in parallel. Episodes
     reset automatically as in ``DummyVecEnv``: the info of a finished env holds
     ``terminal_observation`` and ``TimeLimit.truncated``, and ``reset_infos`` the reset's info.
-    Envs receive actions in the dtype they are passed in, as from ``DummyVecEnv``.
+    Envs receive actions in the dtype they are passed in, and their ``reset`` gets ``seed=`` and,
+    only when set, ``options=``, as from ``DummyVecEnv``.
 
     :param env_fns: callables that build the environments (closures work: they are cloudpickled)
     :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
@@ -74,8 +75,9 @@ class ClusterVecEnv(NotCopyable, VecEnv):
         return self._copy_obs(result.obs), result.rewards.astype(np.float32), dones, infos
 
     def reset(self) -> VecEnvObs:
+        # As DummyVecEnv and SubprocVecEnv: seed= always, options= only when set (not empty).
         options = [options or None for options in self._options]
-        result = self.pool.reset(seeds=self._seeds, options=options)
+        result = self.pool.reset(seeds=self._seeds, options=options, omit_if_none=("options",))
         self.reset_infos = [result.infos.get(index, {}) for index in range(self.num_envs)]
         # Seeds and options are used once, as in DummyVecEnv.
         self._reset_seeds()

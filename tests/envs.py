@@ -779,3 +779,30 @@ class SubPoolEnv(gym.Env):
 
     def close(self) -> None:
         self.pool.close()
+
+
+class SeedOnlyResetEnv(gym.Env):
+    """A hand-written env whose ``reset`` takes ``seed`` but no ``options``: SB3's vec envs and
+    gymnasium 0.29's ``SyncVectorEnv`` reset it (they pass ``options`` only when set), gymnasium
+    1.x's ``SyncVectorEnv`` does not. Episodes truncate after 3 steps."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, seed=None):
+        super().reset(seed=seed)
+        self.steps = 0
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        return self.np_random.uniform(-1.0, 1.0, 2).astype(np.float32), float(action), False, self.steps == 3, {}
+
+
+class ResetKeywordsEnv(SeedOnlyResetEnv):
+    """Says in each reset's info which keywords its ``reset`` got, in order: ``"seed,options"``, or
+    ``""`` for ``reset()``. Episodes truncate after 3 steps."""
+
+    def reset(self, **keywords):
+        obs, _ = super().reset(seed=keywords.get("seed"))
+        return obs, {"reset_keywords": ",".join(keywords)}

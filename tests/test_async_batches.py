@@ -26,6 +26,7 @@ from tests.envs import (
     JitteryEnv,
     OneStepEnv,
     ResetFailingEnv,
+    ResetKeywordsEnv,
     SlowCartPole,
     SuicidalEnv,
     make_dict_env,
@@ -260,6 +261,24 @@ def test_reset_of_returned_envs_while_others_step():
     finally:
         envs.close()
     assert envs.closed
+
+
+def test_envs_reset_with_the_keywords_sync_vector_env_passes():
+    """``ClusterEnvPool`` resets as the installed gymnasium's ``SyncVectorEnv.reset`` resets (1.x:
+    ``seed=`` and ``options=`` always; 0.29: each only when not ``None``): seeded the first time,
+    unseeded after, and envs reset by id as by an unseeded reset."""
+    envs = ClusterEnvPool([ResetKeywordsEnv] * 4, batch_size=2, seed=3, num_workers=2)
+    sync = gym.vector.SyncVectorEnv([ResetKeywordsEnv] * 4)
+    try:
+        for sync_kwargs in ({"seed": [3, 4, 5, 6]}, {}):
+            _, infos = envs.reset()
+            _, sync_infos = sync.reset(**sync_kwargs)
+            assert_same(infos["reset_keywords"], sync_infos["reset_keywords"][:2], f"reset like reset({sync_kwargs})")
+        _, infos = envs.reset(np.array([0, 1]))  # the envs the last recv returned
+        assert_same(infos["reset_keywords"], sync_infos["reset_keywords"][:2], "reset of envs 0 and 1")
+    finally:
+        envs.close()
+        sync.close()
 
 
 def check_reset_envs_leaves_the_rest_of_the_block_as_reset(**pool_kwargs) -> None:

@@ -20,7 +20,16 @@ from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from clusterenv_core import EnvError
 from tests.compare import assert_same
-from tests.envs import InPlaceStateEnv, IntFlagsEnv, MaskedObsEnv, SameReprKey, SpacesEnv, make_dict_env
+from tests.envs import (
+    InPlaceStateEnv,
+    IntFlagsEnv,
+    MaskedObsEnv,
+    ResetKeywordsEnv,
+    SameReprKey,
+    SeedOnlyResetEnv,
+    SpacesEnv,
+    make_dict_env,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -376,6 +385,52 @@ def test_seeds_reach_the_envs_as_given():
         assert raised.value.exc_type == f"{type(sync_error).__module__}.{type(sync_error).__qualname__}"
         assert raised.value.remote_message == str(sync_error)
         assert_same(cluster.reset(seed=[4, 5, 6, 7]), sync.reset(seed=[4, 5, 6, 7]))
+    sync.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reset_passes_the_keywords_sync_vector_env_passes(mode):
+    """gymnasium 1.x's SyncVectorEnv passes ``seed=`` and ``options=`` always, 0.29's each only when
+    not ``None``: the envs get the same keywords (``ResetKeywordsEnv`` says which in its reset info)
+    with and without seeds and options, in partial resets, and in automatic resets (``reset()``;
+    episodes truncate after 3 steps)."""
+    cluster, sync = make_pair([ResetKeywordsEnv] * NUM_ENVS, mode)
+    disabled = GYMNASIUM_1 and mode == "Disabled"
+    rng = np.random.default_rng(0)
+    with cluster:
+        # Seeded first: an unseeded reset then continues each env's generator.
+        resets = ({"seed": 3}, {}, {"seed": [None, 1, None, 2]}, {"options": {"level": 1}}, {"seed": 5, "options": {}})
+        for kwargs in resets:
+            assert_same_results(cluster.reset(**kwargs), sync.reset(**kwargs), f"reset({kwargs})")
+            for step in range(4):
+                actions = rng.integers(0, 2, size=NUM_ENVS)
+                expected = sync.step(actions)
+                assert_same_results(cluster.step(actions), expected, f"step {step} after reset({kwargs})")
+                ended = expected[2] | expected[3]
+                if disabled and ended.any():
+                    assert_same_results(
+                        cluster.reset(options={"reset_mask": ended.copy()}),
+                        sync.reset(options={"reset_mask": ended.copy()}),
+                        f"partial reset after step {step}",
+                    )
+    sync.close()
+
+
+def test_an_env_whose_reset_takes_no_options_resets_where_sync_vector_env_resets_it():
+    """gymnasium 0.29's SyncVectorEnv resets it unless given options; 1.x's never (it passes ``options=None``)."""
+    cluster, sync = make_pair([SeedOnlyResetEnv] * NUM_ENVS)
+    rng = np.random.default_rng(0)
+    with cluster:
+        for kwargs in ({"seed": 3}, {}, {"options": {"level": 1}}):
+            if GYMNASIUM_1 or "options" in kwargs:
+                for venv in (sync, cluster):
+                    with pytest.raises(TypeError, match="options"):
+                        venv.reset(**kwargs)
+                continue
+            assert_same_results(cluster.reset(**kwargs), sync.reset(**kwargs), f"reset({kwargs})")
+            for step in range(4):
+                actions = rng.integers(0, 2, size=NUM_ENVS)
+                assert_same_results(cluster.step(actions), sync.step(actions), f"step {step} after reset({kwargs})")
     sync.close()
 
 

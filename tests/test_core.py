@@ -15,7 +15,7 @@ from gymnasium import spaces
 from clusterenv_core import EnvPool
 from clusterenv_core.spaces import SpaceLayout
 from tests.compare import assert_same
-from tests.envs import SpacesEnv
+from tests.envs import ResetKeywordsEnv, SpacesEnv
 
 BUFFERED = {
     "box": spaces.Box(-1, 1, (2, 3), np.float32),
@@ -191,6 +191,24 @@ def test_make_from_env_id_and_partial_reset():
         second = pool.reset(seeds=[None, 9, None, None], mask=mask).obs
         assert np.array_equal(second[~mask], first[~mask])
         assert not np.array_equal(second[1], first[1])
+
+
+def test_reset_leaves_out_the_keywords_omit_if_none_names_where_they_are_none():
+    def keywords(result) -> list[str]:
+        return [result.infos[index]["reset_keywords"] for index in range(2)]
+
+    with EnvPool([ResetKeywordsEnv] * 2, num_workers=1) as pool:
+        assert keywords(pool.reset()) == ["seed,options", "seed,options"]
+        assert keywords(pool.reset(omit_if_none=("options",))) == ["seed", "seed"]
+        both = ("seed", "options")
+        assert keywords(pool.reset([1, None], [None, {}], omit_if_none=both)) == ["seed", "options"]
+        assert keywords(pool.reset(omit_if_none=both)) == ["", ""]
+        # Refused before anything is sent: the pool answers the next reset.
+        with pytest.raises(ValueError, match=r"omit_if_none may name only \('seed', 'options'\), got \['mask'\]"):
+            pool.reset(omit_if_none=("seed", "mask"))
+        with pytest.raises(TypeError, match="omit_if_none must be a sequence of names"):
+            pool.reset(omit_if_none="options")
+        assert keywords(pool.reset(omit_if_none=["seed"])) == ["options", "options"]
 
 
 @pytest.mark.parametrize(

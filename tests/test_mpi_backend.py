@@ -129,6 +129,13 @@ def test_matches_dummy_vec_env_spawned():
     assert code == 0 and all(f"OK {check}" in output for check in CONTRACT_CHECKS), output
 
 
+def test_reset_keywords_reach_the_envs_as_sent():
+    """The learner's choice of reset keywords (SB3's: ``options`` only when set) travels to MPI
+    workers unchanged: the envs get what DummyVecEnv passes them."""
+    code, output, _ = launch("spawn", "contract.py", "reset_keywords")
+    assert code == 0 and "OK reset_keywords" in output, output
+
+
 def test_spawn_under_mpiexec_gives_every_learner_its_own_workers():
     """launch="spawn" in a job of two ranks: two learners, each spawning two worker ranks of its own,
     both identical to DummyVecEnv."""

@@ -13,7 +13,15 @@ import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import ActionDtypeEnv, ChattyEnv, FailingEnv, HangingEnv, ResetFailingEnv, SuicidalEnv
+from tests.envs import (
+    ActionDtypeEnv,
+    ChattyEnv,
+    FailingEnv,
+    HangingEnv,
+    ResetFailingEnv,
+    ResetKeywordsEnv,
+    SuicidalEnv,
+)
 from tests.interrupts import interrupt_soon
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -249,6 +257,18 @@ def _lose_worker(pid: int, how: str) -> None:
     it takes the request and never answers (its reply times out)."""
     os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     time.sleep(0.2)
+
+
+def test_a_replacement_resets_its_envs_as_automatic_resets_do():
+    """A lost worker's replacement resets its envs with ``reset()``, as automatic resets do (not with
+    the ``seed=None, options=None`` of the learner's unseeded resets)."""
+    with EnvPool([ResetKeywordsEnv] * 2, num_workers=2, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        _lose_worker(pool._transport.processes[1].pid, "killed")
+        result = pool.step(_zeros(pool))
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        assert result.truncated.tolist() == [False, True]
+        assert result.reset_infos[1] == {"reset_keywords": ""}
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])

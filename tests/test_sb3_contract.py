@@ -23,6 +23,8 @@ from tests.envs import (  # noqa: E402
     LightsEnv,
     MaskedObsEnv,
     OrderedInfoEnv,
+    ResetKeywordsEnv,
+    SeedOnlyResetEnv,
     SpacesEnv,
     make_dict_env,
 )
@@ -96,6 +98,45 @@ def test_reset_options_and_seed_match():
     finally:
         expected.close()
         actual.close()
+
+
+def check_reset_keywords_match_dummy_vec_env(**cluster_kwargs) -> None:
+    """DummyVecEnv passes ``seed=`` always and ``options=`` only when set: the envs get the same
+    keywords from ClusterVecEnv (``ResetKeywordsEnv`` says which in its reset info), and an env whose
+    ``reset`` takes no options (env 1) resets unless options are set for it. Episodes truncate after
+    3 steps, so automatic resets (``reset()``) are compared too (also run by tests/mpi_scripts/contract.py)."""
+    env_fns = [ResetKeywordsEnv, SeedOnlyResetEnv, ResetKeywordsEnv]
+    actual = ClusterVecEnv(env_fns, **{"num_workers": 2, **cluster_kwargs})  # first: SPMD worker ranks stop here
+    expected = DummyVecEnv(env_fns)
+    try:
+        rng = np.random.default_rng(0)
+        for options in (None, [{"level": 1}, {}, {}], [None, None, {"level": 2}]):
+            for venv in (expected, actual):
+                venv.seed(7)
+                if options is not None:
+                    venv.set_options(options)
+            assert_same(actual.reset(), expected.reset(), f"reset obs with options {options}")
+            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos with options {options}")
+            for t in range(4):
+                actions = rng.integers(0, 2, size=3)
+                got, want = actual.step(actions), expected.step(actions)
+                for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
+                    assert_same(g, w, f"{name} at step {t}")
+                assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
+        assert expected.reset_infos[0] == {"reset_keywords": ""}  # the last step's automatic reset
+        # Options for env 1 too: both raise the env's TypeError.
+        for venv in (expected, actual):
+            venv.set_options({"level": 3})
+            with pytest.raises(TypeError, match="options"):
+                venv.reset()
+    finally:
+        expected.close()
+        actual.close()
+
+
+@pytest.mark.parametrize("cluster_kwargs", [{}, {"inline_worker": True}], ids=["processes", "inline"])
+def test_reset_passes_the_keywords_dummy_vec_env_passes(cluster_kwargs):
+    check_reset_keywords_match_dummy_vec_env(**cluster_kwargs)
 
 
 def _assert_same_run(actual, expected, steps: int, num_envs: int) -> None:

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 from tests.envs import make_dict_env  # noqa: E402
 
+
 def side_by_side(env_fns, **options) -> None:
     from tests.test_sb3_contract import run_side_by_side
 
@@ -45,6 +46,13 @@ def vector() -> None:
         counts = run_and_compare(cluster, sync, 2000, seed=1)
     sync.close()
     assert counts["terminated"] > 50 and counts["truncated"] > 5, counts
+
+
+def reset_keywords() -> None:
+    """ClusterVecEnv(backend="mpi") passes each env's reset the keywords DummyVecEnv passes."""
+    from tests.test_sb3_contract import check_reset_keywords_match_dummy_vec_env
+
+    check_reset_keywords_match_dummy_vec_env(backend="mpi")
 
 
 def ppo() -> None:
@@ -104,6 +112,7 @@ CHECKS = {
     # Under mpiexec with launch="spawn", every world rank is a learner with worker ranks of its own.
     "several_learners": lambda: side_by_side([functools.partial(gym.make, "CartPole-v1")] * 4, launch="spawn"),
     "vector": vector,
+    "reset_keywords": reset_keywords,
     "ppo": ppo,
     "rollout": rollout,
 }
