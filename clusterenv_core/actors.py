@@ -65,24 +65,44 @@ class WorkerActors:
             raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
         pool._drain()
         self.pool = pool
+        self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
+        self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
+        self._pending_timeout = pool.timeout
+        #: rollout_wait was interrupted with replies unread
+        self.wait_interrupted = False
         transport = pool._transport
         flat = flatten_weights(policy)
         self._weight_shapes = [tuple(tensor.shape) for tensor in weight_tensors(policy)]
         fields = weights_fields(flat.size)
         handle, memory = transport.share_region(fields_nbytes(fields, 1))
+        self._weights_handle = handle
         self.weights = WeightsRegion(field_views(fields, 1, memory))
         #: version of the last published weights (0: those deployed)
         self.policy_version = 0
-        self.weights.write(flat, self.policy_version)
         #: size of one copy of the weights
         self.weights_nbytes = flat.nbytes
+        try:
+            self.weights.write(flat, self.policy_version)
+            self._deploy(policy_bytes, seed)
+        except BaseException:
+            self.release()  # a failed deploy's regions would otherwise stay as long as its traceback
+            raise
+        self._delivered_version = [self.policy_version] * pool.num_workers  # backends without shared memory
+
+    def _deploy(self, policy_bytes: bytes, seed: int | None) -> None:
+        """Send the policy and the weights to every worker and wait until each took it."""
+        pool, transport = self.pool, self.pool._transport
         deliver = not transport.shares_memory
         # From the first request on, a worker may hold this policy or the previous one: the previous
-        # WorkerActors must not act any more (_check_current), and none does until every worker took this one.
-        pool.actors = None
+        # WorkerActors must not act any more (_check_current), and none does until every worker took
+        # this one. It has no use for its regions from now on.
+        previous, pool.actors = pool.actors, None
+        if previous is not None:
+            previous.release()
         for worker in range(pool.num_workers):
-            request = protocol.Deploy(policy_bytes, handle, flat.size, None if seed is None else seed + worker, deliver)
-            pool._send(worker, request)
+            worker_seed = None if seed is None else seed + worker
+            count = self.weights.weights.size
+            pool._send(worker, protocol.Deploy(policy_bytes, self._weights_handle, count, worker_seed, deliver))
             if deliver:
                 transport.send_arrays(worker, self.weights.arrays)
         took: list[int] = []
@@ -90,12 +110,6 @@ class WorkerActors:
             pool._gather(range(pool.num_workers), "deploying the policy", on_reply=lambda worker, _: took.append(worker))
         except EnvError as error:
             raise _deploy_error(error, took) from None
-        self._delivered_version = [self.policy_version] * pool.num_workers  # backends without shared memory
-        self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
-        self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
-        self._pending_timeout = pool.timeout
-        #: rollout_wait was interrupted with replies unread
-        self.wait_interrupted = False
 
     @property
     def num_workers(self) -> int:
@@ -162,6 +176,7 @@ class WorkerActors:
         """
         pool = self.pool
         pool._check_usable()
+        self._check_current()
         region = self._pending
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
@@ -208,11 +223,19 @@ class WorkerActors:
         return self.rollout_wait()
 
     def release(self) -> None:
-        """Drop the views of the weights and segment regions (the pool is closing: see
-        :meth:`BatchBuffers.release <clusterenv_core.buffers.BatchBuffers.release>`)."""
+        """Drop the views of the weights and segment regions and free the regions: the pool is
+        closing, or another deploy replaced (or failed to replace) this policy. A region with views
+        still exported (a :class:`~clusterenv_core.rollout.Rollout` the caller kept) goes with them;
+        see :meth:`BatchBuffers.release <clusterenv_core.buffers.BatchBuffers.release>`. Idempotent."""
+        handles = [region.handle for slots in self._regions.values() for region in slots]
+        if self._weights_handle is not None:
+            handles.append(self._weights_handle)
         self.weights = None
+        self._weights_handle = None
         self._regions = {}
         self._pending = None
+        for handle in handles:
+            self.pool._transport.release_region(handle)
 
     def _check_current(self) -> None:
         """A later ``deploy`` replaced this policy on the workers, or some of them: acting through

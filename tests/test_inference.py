@@ -279,6 +279,36 @@ def test_close_unmaps_the_weights_and_segment_regions():
         actors.rollout(8)
 
 
+def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
+    # Models keep their WorkerActors, and a caught deploy error its traceback: neither may keep memory.
+    from tests.test_failures import buffer_mappings
+
+    before = buffer_mappings()
+    pool = EnvPool.make("CartPole-v1", 3, num_workers=3)
+    pool.reset(seeds=[0, 1, 2])
+    pool_only = buffer_mappings()
+    first = pool.deploy(ConstantPolicy(0))
+    first.rollout(3)
+    first.rollout(3)  # both segment regions of this length
+    second = pool.deploy(ConstantPolicy(1))
+    second.rollout(3)
+    with pytest.raises(EnvError, match="no policy is deployed") as caught:
+        pool.deploy(ConstantPolicy(1, refused_by=(pool.worker_pids[2],)))
+    assert buffer_mappings() == pool_only  # none of the three holds a region any more
+    for superseded in (first, second):
+        with pytest.raises(ClusterEnvError, match="no longer deployed"):
+            superseded.rollout(3)
+        with pytest.raises(ClusterEnvError, match="no longer deployed"):
+            superseded.rollout_wait()
+        with pytest.raises(ClusterEnvError, match="no longer deployed"):
+            superseded.publish_weights(ConstantPolicy(0))
+    third = pool.deploy(ConstantPolicy(1))
+    assert third.rollout(3).actions.all()
+    pool.close()
+    assert buffer_mappings() == before
+    assert caught.value.worker_index == 2
+
+
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])

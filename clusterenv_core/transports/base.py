@@ -119,6 +119,11 @@ class Transport(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no extra regions")
 
+    def release_region(self, handle: Any) -> None:
+        """Free a region of :meth:`share_region` that the learner no longer uses; its memory goes
+        once no view of it is left. Workers drop theirs when they no longer use it."""
+        raise NotImplementedError(f"{type(self).__name__} has no extra regions")
+
     def send_arrays(self, worker: int, arrays: list) -> None:
         """Make the worker's copies of ``arrays`` (numpy views of a region) equal the learner's."""
         raise NotImplementedError(f"{type(self).__name__} cannot move arrays")

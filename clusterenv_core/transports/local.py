@@ -308,6 +308,13 @@ def _end_process_group(process: subprocess.Popen) -> None:
         pass  # nothing left in the group
 
 
+def _unmap(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # views still exported; the mapping goes with them
+        pass
+
+
 def _anonymous_file() -> int:
     """A file descriptor of memory with no name anywhere in the file system."""
     if hasattr(os, "memfd_create"):
@@ -354,7 +361,7 @@ class LocalTransport(Transport):
         self.memory_fd: int | None = None
         self.memory: mmap.mmap | None = None
         self.memory_size = 0
-        self.regions: list[mmap.mmap] = []
+        self.regions: dict[tuple[int, int], mmap.mmap] = {}  # by handle
         self.failed: set[int] = set()
         self.has_inline_worker = check_bool("inline_worker", inline_worker)
         self.inline: InlineWorker | None = None  # with inline_worker, once started: the last worker
@@ -539,8 +546,14 @@ class LocalTransport(Transport):
         os.ftruncate(self.memory_fd, offset + nbytes)
         self.memory_size = offset + nbytes
         region = mmap.mmap(self.memory_fd, nbytes, offset=offset)
-        self.regions.append(region)
+        self.regions[offset, nbytes] = region
         return (offset, nbytes), region
+
+    def release_region(self, handle: Any) -> None:
+        # Unmapped here; its pages stay in the memory file (regions after it keep their offsets).
+        region = self.regions.pop(handle, None)
+        if region is not None:
+            _unmap(region)
 
     def send_arrays(self, worker: int, arrays: list) -> None:
         pass  # shared memory: the worker sees the learner's arrays
@@ -575,13 +588,10 @@ class LocalTransport(Transport):
             self.inline.close()
             self.inline = None
         self._stderr.close()
-        for mapping in [self.memory, *self.regions]:
+        for mapping in [self.memory, *self.regions.values()]:
             if mapping is not None:
-                try:
-                    mapping.close()
-                except BufferError:  # views still exported; the mapping goes with them
-                    pass
-        self.memory, self.regions = None, []
+                _unmap(mapping)
+        self.memory, self.regions = None, {}
         if self.memory_fd is not None:
             os.close(self.memory_fd)
             self.memory_fd = None

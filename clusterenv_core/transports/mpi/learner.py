@@ -138,7 +138,8 @@ class MPITransport(Transport):
         self._datatypes: list = []
         self._memory: bytearray | None = None
         self._headers: np.ndarray | None = None
-        self._regions: list[bytearray] = []
+        self._regions: dict[int, bytearray] = {}  # by handle
+        self._next_region = 0
 
     @property
     def num_workers(self) -> int:
@@ -509,9 +510,12 @@ class MPITransport(Transport):
     # -- regions (worker-side inference) ----------------------------------------------------------
 
     def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
-        region = bytearray(nbytes)
-        self._regions.append(region)
-        return len(self._regions) - 1, memoryview(region)
+        handle, self._next_region = self._next_region, self._next_region + 1
+        region = self._regions[handle] = bytearray(nbytes)
+        return handle, memoryview(region)
+
+    def release_region(self, handle: Any) -> None:
+        self._regions.pop(handle, None)
 
     @holding_mpi_lock
     def send_arrays(self, worker: int, arrays: list) -> None:

@@ -93,7 +93,6 @@ class MPIWorkerConnection(WorkerConnection):
         self.probe = Probe(MPI, comm, self.learner, MPI.ANY_TAG)
         self.full_message = None
         self.datatypes: list = []
-        self.regions: list[bytearray] = []
         self.heartbeat: BeatSender | None = None
         if config["heartbeat"] is not None:
             interval, self.heartbeat_timeout = config["heartbeat"]
@@ -239,8 +238,8 @@ class MPIWorkerConnection(WorkerConnection):
         self._complete(request)
 
     def map_region(self, handle: Any, fields: list[Field], num_envs: int, block: range) -> tuple[dict, int]:
+        # The views keep the memory: it goes with them when a later deploy replaces the policy.
         region = bytearray(fields_nbytes(fields, len(block)))
-        self.regions.append(region)
         return field_views(fields, len(block), region), 0
 
     @holding_mpi_lock
