@@ -228,6 +228,22 @@ def test_close_receives_the_segments_of_a_pending_rollout():
     assert "unexpected tag-receive" not in output, output
 
 
+@pytest.mark.parametrize("where", ["closing envs", "disconnecting", "waiting for exits"])
+def test_ctrl_c_during_close_ends_the_ranks_and_releases_everything(where):
+    """As with the local backend: KeyboardInterrupt at once, nothing left running or held. Ranks still
+    closing their envs are killed, which ends MPICH's process manager, so this process can spawn no
+    more pools; ranks that had answered their close request disconnect and exit, and it can."""
+    code, output, _ = launch("spawn", "faults.py", "ctrl_c_during_close", where, timeout=120.0)
+    assert code == 0, output
+    match = re.search(r"OK interrupted after ([\d.]+) s", output)
+    assert match and float(match.group(1)) < 5.0, output
+    assert "RANKS LEFT []" in output and "THREADS LEFT []" in output and "DESCRIPTORS LEFT 0" in output, output
+    if where == "closing envs":
+        assert "NEXT POOL refused: MPI's process manager of this process ended" in output, output
+    else:
+        assert "NEXT POOL spawned" in output, output
+
+
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_worker_death_ends_the_job(mode):
     """Under mpiexec a dead rank makes MPICH kill the whole job, learner included: bounded, not a hang."""

@@ -206,6 +206,85 @@ def close_pending_rollout() -> None:
     print("OK close_pending_rollout", flush=True)
 
 
+class _InterruptedDisconnect:
+    """A communicator whose first Disconnect meets Ctrl-C instead, as when it lands just before it
+    (in the wait for heartbeat goodbyes, say); everything else is the communicator's."""
+
+    def __init__(self, comm) -> None:
+        self._comm = comm
+        self._interrupted = False
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def __bool__(self) -> bool:
+        return bool(self._comm)
+
+    def Disconnect(self) -> None:
+        if not self._interrupted:
+            self._interrupted = True
+            raise KeyboardInterrupt
+        self._comm.Disconnect()
+
+
+def ctrl_c_during_close(where: str) -> None:
+    """Ctrl-C while the envs close (for 60 s), just before the learner disconnects from the ranks,
+    or while it waits for the disconnected ranks to exit: close() raises KeyboardInterrupt at once,
+    and leaves no rank running, no thread, no descriptor; a second close() does nothing."""
+    import threading
+
+    from clusterenv_core.transports.mpi import learner
+    from clusterenv_core.transports.mpi.runtime import pid_alive
+    from tests.envs import SlowCloseEnv
+    from tests.interrupts import interrupt_soon
+
+    with make_pool() as pool:  # MPI and its process manager start with the first pool
+        pool.reset(seeds=[0, 1, 2, 3])
+    descriptors = len(os.listdir("/proc/self/fd"))
+    threads = set(threading.enumerate())
+    if where == "closing envs":
+        pool = make_pool(functools.partial(wrapped, SlowCloseEnv, seconds=60.0, path=os.devnull), timeout=30.0)
+    else:
+        pool = make_pool()
+    pool.reset(seeds=[0, 1, 2, 3])
+    transport = pool._transport
+    pids = list(transport.pids)
+    if where == "closing envs":
+        interrupt_soon(1.0)
+    elif where == "disconnecting":
+        transport.comm = _InterruptedDisconnect(transport.comm)
+    else:  # waiting for the ranks to exit: they disconnected and are finalizing
+
+        def interrupted_once_disconnected(pid: int, pid_alive=learner.pid_alive) -> bool:
+            if not transport.comm and not interrupted:
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            return pid_alive(pid)
+
+        interrupted: list[bool] = []
+        learner.pid_alive = interrupted_once_disconnected
+    started = time.monotonic()
+    try:
+        pool.close()
+    except KeyboardInterrupt:
+        print(f"OK interrupted after {time.monotonic() - started:.2f} s", flush=True)
+    pool.close()  # nothing left to do
+    deadline = time.monotonic() + 3.0
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("RANKS LEFT", [pid for pid in pids if pid_alive(pid)], flush=True)
+    left = [thread.name for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
+    print("THREADS LEFT", left, flush=True)
+    print("DESCRIPTORS LEFT", len(os.listdir("/proc/self/fd")) - descriptors, flush=True)
+    try:
+        with make_pool() as pool:
+            pool.reset(seeds=[0, 1, 2, 3])
+            step(pool)
+        print("NEXT POOL spawned", flush=True)
+    except ClusterEnvError as error:
+        print(f"NEXT POOL refused: {error}", flush=True)
+
+
 SCENARIOS = {
     "env_exception": env_exception,
     "worker_death": worker_death,
@@ -218,7 +297,8 @@ SCENARIOS = {
     "first_rank_dies": first_rank_dies,
     "spawn_after_a_killed_rank": spawn_after_a_killed_rank,
     "close_pending_rollout": close_pending_rollout,
+    "ctrl_c_during_close": ctrl_c_during_close,
 }
 
 if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]]()
+    SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -12,6 +12,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,9 @@ from clusterenv_core.transports.mpi.worker import serve_as_worker
 
 _ARRAYS_TIMEOUT = 60.0
 _START_TIMEOUT = 60.0  # at least this long for ranks to start (interpreters, imports): slow is not stuck
+# After Ctrl-C in close(): how long disconnected ranks may take to exit (they do in some 30 ms)
+# before they are killed, which would keep this process from spawning again.
+_EXIT_GRACE = 1.0
 
 
 class MPITransport(Transport):
@@ -546,9 +550,18 @@ class MPITransport(Transport):
             return
         self._closed = True
         State.live.discard(self)
-        if self.comm is None:
-            return
-        deadline = time.monotonic() + timeout
+        parted = False
+        try:
+            if self.comm is not None:
+                self._part(time.monotonic() + timeout, closed)
+            parted = True
+        finally:
+            self._release(parted, closed)  # also after Ctrl-C, which is raised once everything is released
+
+    def _part(self, deadline: float, closed: set[int]) -> None:
+        """Leave the workers: with those that answered their close request all, disconnect (they
+        finalize and exit; those on this host are waited for until ``deadline``), else kill the
+        others (spawn mode)."""
         for request in self._result_requests:
             if request is not None:
                 try:
@@ -558,35 +571,27 @@ class MPITransport(Transport):
                     pass
         if self.heartbeat is not None:
             self.heartbeat.await_goodbyes(closed, min(max(deadline - time.monotonic(), 0.0), GOODBYE_TIMEOUT))
-            self.heartbeat = None
         unclosed = [worker for worker in range(self.num_workers) if worker not in closed]
         if self.mode == "spawn":
             if unclosed:
-                # Stuck or lost ranks: kill those on this host; MPICH then ends the rest of the spawn.
-                for worker in unclosed:
-                    if self.hosts[worker] == HOST and pid_alive(self.pids[worker]):
-                        try:
-                            os.kill(self.pids[worker], signal.SIGKILL)
-                        except OSError:
-                            pass
-                State.finalize_unsafe = True
-                try:
-                    self.comm.Free()
-                except Exception:
-                    pass
+                self._kill_spawned(unclosed)  # stuck or lost ranks; MPICH then ends the rest of the spawn
             else:
                 # Every worker answered its close request and disconnects too (a collective call).
                 self.comm.Disconnect()
             # Closed workers finalize and exit at once; wait for those on this host.
-            for worker in range(self.num_workers):
-                if self.hosts[worker] != HOST:
-                    continue
-                while pid_alive(self.pids[worker]) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+            self._wait_for_exits(deadline)
         elif unclosed:
-            # A world rank that did not close would keep MPI_Finalize waiting forever.
-            ranks = ", ".join(str(self.ranks[worker]) for worker in unclosed)
-            State.abort_at_exit = f"worker rank(s) {ranks} did not close"
+            self._abort_at_exit(unclosed)
+
+    def _release(self, parted: bool, closed: set[int]) -> None:
+        """Free every thread, MPI object, descriptor and buffer of the transport. Not ``parted``
+        (Ctrl-C in :meth:`_part`), it parts at once: spawned ranks that all answered their close
+        request are disconnected from and have ``_EXIT_GRACE`` seconds to exit, and the others are
+        killed (which ends MPICH's process manager: this process spawns no more); world ranks that
+        did not close abort the job at exit."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         for datatype in self._datatypes:
             try:
                 datatype.Free()
@@ -600,3 +605,51 @@ class MPITransport(Transport):
             if bell is not None:
                 bell.close()
         self._bells = [None] * self.num_workers
+        self._regions = {}
+        self._memory = self._headers = None
+        self._result_messages, self._action_messages = [], []
+        if parted or self.comm is None:
+            return
+        unclosed = [worker for worker in range(self.num_workers) if worker not in closed]
+        if self.mode == "spawn":
+            if self.comm and not unclosed:
+                self.comm.Disconnect()  # they answered and disconnect at once: the one wait not cut short
+            if self.comm:
+                self._kill_spawned(unclosed)
+            self._wait_for_exits(time.monotonic() + _EXIT_GRACE)
+            self._kill_spawned(range(self.num_workers))  # those on this host still running
+        elif unclosed:
+            self._abort_at_exit(unclosed)
+
+    def _kill_spawned(self, workers: Iterable[int]) -> None:
+        """Kill those of the spawned ``workers`` on this host that still run, and let go of the
+        communicator: MPICH's process manager then ends the others, and itself."""
+        killed = False
+        for worker in workers:
+            if self.hosts[worker] == HOST and pid_alive(self.pids[worker]):
+                try:
+                    os.kill(self.pids[worker], signal.SIGKILL)
+                    killed = True
+                except OSError:
+                    pass
+        if not killed and not self.comm:
+            return  # they disconnected and exited: the process manager lives on
+        State.finalize_unsafe = True
+        if self.comm:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+
+    def _wait_for_exits(self, deadline: float) -> None:
+        """Wait until the worker ranks on this host have exited, or ``deadline``."""
+        for worker in range(self.num_workers):
+            if self.hosts[worker] != HOST:
+                continue
+            while pid_alive(self.pids[worker]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    def _abort_at_exit(self, unclosed: list[int]) -> None:
+        # A world rank that did not close would keep MPI_Finalize waiting forever.
+        ranks = ", ".join(str(self.ranks[worker]) for worker in unclosed)
+        State.abort_at_exit = f"worker rank(s) {ranks} did not close"
