@@ -99,9 +99,9 @@ class WorkerActors:
         previous, pool.actors = pool.actors, None
         if previous is not None:
             previous.release()
+        count = self.weights.weights.size
         for worker in range(pool.num_workers):
             worker_seed = None if seed is None else seed + worker
-            count = self.weights.weights.size
             pool._send(worker, protocol.Deploy(policy_bytes, self._weights_handle, count, worker_seed, deliver))
             if deliver:
                 transport.send_arrays(worker, self.weights.arrays)
