@@ -193,6 +193,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         self._failure: ClusterEnvError | None = None
         self._stepping = False
         self._wait_interrupted = False  # step_wait was interrupted with replies unread
+        self._drained_error: EnvError | None = None  # read by a _drain that Ctrl-C cut short: the next raises it
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
@@ -694,8 +695,11 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
     def _drain(self, keep_steps: bool = False) -> None:
         """Read replies left unread by an interrupted call, so requests and replies stay paired
         (``keep_steps``: not those of steps, which asynchronous batches still wait for). Their
-        results are dropped, but the envs they say were replaced are counted, as :meth:`_gather`
-        counts them: a step or segment whose request went out before Ctrl-C ran on its worker."""
+        results are dropped, but a step or segment whose request went out before Ctrl-C did run on
+        its worker, so they are reported as :meth:`_gather` reports them: the envs they say were
+        replaced are counted, and the first env error among them is raised once all are read (its
+        worker lives on; the env may be left broken), also after Ctrl-C cut a drain short. Not a
+        preload's error: the call that needs the module fails with the reason."""
         for worker in sorted(self._awaiting):
             request_type = self._awaiting[worker]
             if keep_steps and request_type is None:
@@ -710,8 +714,14 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
             del self._awaiting[worker]
             self._reply_arrays.pop(worker, None)
             self._count_env_restarts(_replaced_envs(request_type, status, result))
+            if status == ERROR and request_type is not protocol.Preload and self._drained_error is None:
+                what = "rollout" if request_type is protocol.Rollout else "step"
+                self._drained_error = _remote_error(worker, result, what, sent_before_ctrl_c=True)
         if not keep_steps:
             self._stepping = False
+        error, self._drained_error = self._drained_error, None
+        if error is not None:
+            raise error
 
     def _fail(self, error: ClusterEnvError) -> ClusterEnvError:
         """Remember that the pool is unusable; returns ``error`` for raising."""
@@ -861,10 +871,16 @@ def _replaced_envs(request_type: type | None, status: str, result: Any) -> list[
     return []
 
 
-def _remote_error(worker: int, details: protocol.ErrorDetails, what: str) -> EnvError:
-    """The learner's exception for a worker's error reply (``what`` names a failed step)."""
+def _remote_error(worker: int, details: protocol.ErrorDetails, what: str, sent_before_ctrl_c: bool = False) -> EnvError:
+    """The learner's exception for a worker's error reply (``what`` names a failed step).
+
+    :param sent_before_ctrl_c: the request went out before Ctrl-C cut its call short, and a later
+        call read the reply (:meth:`EnvPool._drain`): the error says so
+    """
     error_class = ENV_ERROR_CLASSES.get(details.exc_type, EnvError)
     operation = details.operation if details.operation != "step" else what
+    if sent_before_ctrl_c:
+        operation += " sent before Ctrl-C"
     return error_class(details.env_index, worker, operation, details.exc_type, details.message, details.traceback)
 
 

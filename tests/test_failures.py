@@ -718,6 +718,42 @@ def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired
     pool.close()
 
 
+def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(no_leaks, monkeypatch):
+    # Ctrl-C once both workers have their step (in which env 0 raises): the next call reads the
+    # replies and raises env 0's error, as step_wait would have, also when Ctrl-C cuts that read
+    # short while worker 1 still steps; the worker lives on.
+    from clusterenv_core.transports import local
+
+    send_frame = local._MessageSocket.send_frame
+    sends_left = []
+
+    def interrupted_after_sending(self, frame):
+        send_frame(self, frame)
+        if sends_left:
+            sends_left.pop()
+            if not sends_left:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
+    env_fns = [functools.partial(_wrapped, FailingEnv, fail_at=1), functools.partial(SlowCartPole, seconds=2.0)]
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    sends_left.extend([True, True])
+    with pytest.raises(KeyboardInterrupt):
+        _step_zeros(pool)
+    interrupt_soon(0.5)  # while the next call waits for worker 1's step
+    with pytest.raises(KeyboardInterrupt):
+        pool.reset(seeds=[0, 1])
+    with pytest.raises(EnvError, match="injected failure at step 1") as caught:
+        pool.reset(seeds=[0, 1])
+    error = caught.value
+    assert (error.env_index, error.worker_index, error.operation) == (0, 0, "step sent before Ctrl-C")
+    assert "raise ValueError" in error.remote_traceback
+    pool.reset(seeds=[0, 1])
+    assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+    pool.close()
+
+
 def test_a_request_that_cannot_be_pickled_leaves_nothing_awaited(no_leaks, monkeypatch):
     from clusterenv_core.transports import local
 
