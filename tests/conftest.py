@@ -1,5 +1,33 @@
 import os
 import sys
 
+import pytest
+
 # Tests import helpers as ``tests.envs``; workers find them through the learner's sys.path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def ctrl_c_after_send(monkeypatch):
+    """``arm(sends=1)``: Ctrl-C (a ``KeyboardInterrupt``) right after the learner writes its
+    ``sends``-th next frame to a local worker, as CPython's ``sendall`` runs signal handlers after
+    writing: that request is out when the call is cut short."""
+    from clusterenv_core.transports import local
+
+    send_frame = local._MessageSocket.send_frame
+    sends_left = 0
+
+    def interrupted_after_sending(self, frame):
+        nonlocal sends_left
+        send_frame(self, frame)
+        if sends_left:
+            sends_left -= 1
+            if not sends_left:
+                raise KeyboardInterrupt
+
+    def arm(sends: int = 1) -> None:
+        nonlocal sends_left
+        sends_left = sends
+
+    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
+    return arm

@@ -689,27 +689,15 @@ def test_step_after_close_fails_clearly(no_leaks):
         _step_zeros(pool)
 
 
-def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired(no_leaks, monkeypatch):
+def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired(no_leaks, ctrl_c_after_send):
     # CPython's sendall runs signal handlers after writing: the request is out when Ctrl-C raises.
-    from clusterenv_core.transports import local
-
-    send_frame = local._MessageSocket.send_frame
-    armed = []
-
-    def interrupted_after_sending(self, frame):
-        send_frame(self, frame)
-        if armed:
-            armed.clear()
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
     pool = EnvPool([lambda: CallCounter(gym.make("CartPole-v1"))] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
-    armed.append(True)
+    ctrl_c_after_send()
     with pytest.raises(KeyboardInterrupt):
         pool.call("bump", indices=[0])
     assert pool.get_attr("calls") == [1, 0]  # the call's reply was read as its own, not as this one's
-    armed.append(True)
+    ctrl_c_after_send()
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)  # worker 0 got its step, worker 1 none
     assert pool.get_attr("calls") == [1, 0]
@@ -718,27 +706,14 @@ def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired
     pool.close()
 
 
-def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(no_leaks, monkeypatch):
+def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(no_leaks, ctrl_c_after_send):
     # Ctrl-C once both workers have their step (in which env 0 raises): the next call reads the
     # replies and raises env 0's error, as step_wait would have, also when Ctrl-C cuts that read
     # short while worker 1 still steps; the worker lives on.
-    from clusterenv_core.transports import local
-
-    send_frame = local._MessageSocket.send_frame
-    sends_left = []
-
-    def interrupted_after_sending(self, frame):
-        send_frame(self, frame)
-        if sends_left:
-            sends_left.pop()
-            if not sends_left:
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
     env_fns = [functools.partial(_wrapped, FailingEnv, fail_at=1), functools.partial(SlowCartPole, seconds=2.0)]
     pool = EnvPool(env_fns, num_workers=2)
     pool.reset(seeds=[0, 1])
-    sends_left.extend([True, True])
+    ctrl_c_after_send(sends=2)
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
     interrupt_soon(0.5)  # while the next call waits for worker 1's step

@@ -66,27 +66,15 @@ def test_env_restarts_are_counted_in_a_segment_that_fails():
         assert pool.restarts == {"envs": 2, "workers": 0} and pool.env_restarts == [1, 1]
 
 
-def test_env_restarts_of_a_segment_cut_short_by_ctrl_c_are_counted(monkeypatch):
+def test_env_restarts_of_a_segment_cut_short_by_ctrl_c_are_counted(ctrl_c_after_send):
     # Ctrl-C once worker 0 has its rollout request: its reply is read and dropped by the next call,
     # and the env replaced in its segment counts all the same; the replacement, failing too with no
     # budget left, is reported by that call.
-    from clusterenv_core.transports import local
-
-    send_frame = local._MessageSocket.send_frame
-    armed = []
-
-    def interrupted_after_sending(self, frame):
-        send_frame(self, frame)
-        if armed:
-            armed.clear()
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
     env_fns = [lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=2), lambda: gym.make("CartPole-v1")]
     with EnvPool(env_fns, num_workers=2, restart_failed_envs=True, max_restarts=1) as pool:
         pool.reset(seeds=[0, 1])
         actors = pool.deploy(LinearPolicy(), seed=0)
-        armed.append(True)
+        ctrl_c_after_send()
         with pytest.raises(KeyboardInterrupt):
             actors.rollout_async(4)
         with pytest.raises(EnvError, match="rollout sent before Ctrl-C failed in env 0 on worker 0"):
@@ -94,26 +82,14 @@ def test_env_restarts_of_a_segment_cut_short_by_ctrl_c_are_counted(monkeypatch):
         assert pool.restarts == {"envs": 1, "workers": 0} and pool.env_restarts == [1, 0]
 
 
-def test_an_env_error_in_a_segment_cut_short_by_ctrl_c_is_raised_by_the_next_call(monkeypatch):
+def test_an_env_error_in_a_segment_cut_short_by_ctrl_c_is_raised_by_the_next_call(ctrl_c_after_send):
     # Ctrl-C once worker 0 has its rollout request, in whose segment env 0 raises: the next call
     # reads the reply and raises that error, as rollout_wait would have; the policy stays deployed.
-    from clusterenv_core.transports import local
-
-    send_frame = local._MessageSocket.send_frame
-    armed = []
-
-    def interrupted_after_sending(self, frame):
-        send_frame(self, frame)
-        if armed:
-            armed.clear()
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
     env_fns = [lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=2), lambda: gym.make("CartPole-v1")]
     with EnvPool(env_fns, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
         actors = pool.deploy(LinearPolicy(), seed=0)
-        armed.append(True)
+        ctrl_c_after_send()
         with pytest.raises(KeyboardInterrupt):
             actors.rollout_async(4)
         with pytest.raises(EnvError, match="injected failure at step 2") as caught:

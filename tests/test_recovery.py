@@ -181,25 +181,13 @@ def test_env_restarts_are_counted_in_a_step_that_fails(num_workers):
         assert pool.restarts == {"envs": 2, "workers": 0} and pool.env_restarts == [1, 1]
 
 
-def test_env_restarts_of_a_step_cut_short_by_ctrl_c_are_counted(monkeypatch):
+def test_env_restarts_of_a_step_cut_short_by_ctrl_c_are_counted(ctrl_c_after_send):
     # Ctrl-C once worker 0 has its step: that step's reply is read and dropped by the next call, and
     # the env it replaced counts all the same (a replacement worker gets what is left of its budget).
-    from clusterenv_core.transports import local
-
-    send_frame = local._MessageSocket.send_frame
-    armed = []
-
-    def interrupted_after_sending(self, frame):
-        send_frame(self, frame)
-        if armed:
-            armed.clear()
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
     env_fns = [functools.partial(_with, FailingEnv, fail_at=1), CARTPOLE]
     with EnvPool(env_fns, num_workers=2, restart_failed_envs=True, max_restarts=1) as pool:
         pool.reset(seeds=[0, 1])
-        armed.append(True)
+        ctrl_c_after_send()
         with pytest.raises(KeyboardInterrupt):
             pool.step(_zeros(pool))  # worker 0 got its step, in which env 0 is replaced; worker 1 none
         pool.reset(seeds=[0, 1])
