@@ -317,6 +317,27 @@ def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     assert caught.value.worker_index == 2
 
 
+def test_repeated_deploys_do_not_grow_the_shared_memory():
+    # Each deploy of another policy replaces the last one's weights and segment regions: their pages
+    # go back to the system, except those a kept Rollout still views, which stay readable.
+    with EnvPool.make("CartPole-v1", 2, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        memory_fd = pool._transport.memory_fd
+
+        def deploy_and_collect():
+            actors = pool.deploy(LinearPolicy(), seed=0)
+            return actors.rollout(2000), actors.rollout(2000)  # both segment regions of this length
+
+        kept = deploy_and_collect()[1]
+        kept_obs = kept.obs.copy()
+        deploy_and_collect()
+        allocated = os.fstat(memory_fd).st_blocks  # the pool's, the kept segment's, the last deploy's
+        for _ in range(4):
+            deploy_and_collect()
+        assert os.fstat(memory_fd).st_blocks <= allocated + allocated // 4
+        assert np.array_equal(kept.obs, kept_obs)
+
+
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])

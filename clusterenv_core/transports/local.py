@@ -308,11 +308,29 @@ def _end_process_group(process: subprocess.Popen) -> None:
         pass  # nothing left in the group
 
 
-def _unmap(mapping: mmap.mmap) -> None:
+def _unmap(mapping: mmap.mmap) -> bool:
+    """Close ``mapping``; ``False`` if views of it are still exported (it then goes with them)."""
     try:
         mapping.close()
-    except BufferError:  # views still exported; the mapping goes with them
+    except BufferError:
+        return False
+    return True
+
+
+def _free_pages(memory_fd: int, offset: int, nbytes: int) -> None:
+    """Give the pages of a released region back to the system (a hole in the memory file, which
+    keeps its size, so the regions after it keep their offsets). Only for a region nothing reads
+    any more: a mapping that still has it sees zeros."""
+    try:
+        mapping = mmap.mmap(memory_fd, nbytes, offset=offset)
+    except OSError:
+        return
+    try:
+        mapping.madvise(mmap.MADV_REMOVE)
+    except (AttributeError, OSError):  # not Linux, or memory that cannot have holes
         pass
+    finally:
+        mapping.close()
 
 
 def _anonymous_file() -> int:
@@ -550,10 +568,12 @@ class LocalTransport(Transport):
         return (offset, nbytes), region
 
     def release_region(self, handle: Any) -> None:
-        # Unmapped here; its pages stay in the memory file (regions after it keep their offsets).
+        # Its pages are freed unless views of it are left here (a Rollout the caller kept reads
+        # them). Workers read it no more: a region is released by the deploy that replaces its
+        # policy, whose request is their next, or by close().
         region = self.regions.pop(handle, None)
-        if region is not None:
-            _unmap(region)
+        if region is not None and _unmap(region):
+            _free_pages(self.memory_fd, *handle)
 
     def send_arrays(self, worker: int, arrays: list) -> None:
         pass  # shared memory: the worker sees the learner's arrays
