@@ -475,6 +475,34 @@ def test_ctrl_c_during_close_kills_the_workers_and_releases_everything(no_leaks,
     assert not [thread for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
 
 
+def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_path, monkeypatch):
+    # The first Ctrl-C cuts short the wait for the envs to close (60 s); the second lands while
+    # close() waits for the first worker it killed, which would leave the other one running.
+    env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=60.0, path=str(tmp_path / "never"))] * 2
+    threads = set(threading.enumerate())
+    pool = EnvPool(env_fns, num_workers=2, timeout=30.0)
+    pool.reset()
+    pids = pool.worker_pids
+    wait = subprocess.Popen.wait
+    second_ctrl_c = []
+
+    def wait_for_a_killed_worker(process, timeout=None):
+        if timeout is None and not second_ctrl_c:  # close() waits for killed workers without a timeout
+            second_ctrl_c.append(process.pid)
+            signal.raise_signal(signal.SIGINT)
+        return wait(process, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait_for_a_killed_worker)
+    interrupt_soon(1.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert time.monotonic() - started < 5
+    assert second_ctrl_c == pids[:1]
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+    assert not [thread for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
+
+
 def test_an_env_failing_to_close_is_raised_once_everything_is_released(no_leaks):
     pool = EnvPool([CARTPOLE, CARTPOLE, functools.partial(_wrapped, FailingCloseEnv)], num_workers=2)
     pool.reset()

@@ -244,6 +244,16 @@ def test_ctrl_c_during_close_ends_the_ranks_and_releases_everything(where):
         assert "NEXT POOL spawned" in output, output
 
 
+def test_a_second_ctrl_c_during_close_still_kills_the_ranks_that_did_not_exit():
+    """Ctrl-C while close() waits for the ranks to exit, then again in the second it gives them
+    before it kills them: they are killed all the same, and KeyboardInterrupt comes after that."""
+    code, output, _ = launch("spawn", "faults.py", "second_ctrl_c_during_close", timeout=120.0)
+    assert code == 0, output
+    match = re.search(r"OK interrupted 2 times, after ([\d.]+) s", output)
+    assert match and float(match.group(1)) < 5.0, output
+    assert "RANKS LEFT []" in output, output
+
+
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_worker_death_ends_the_job(mode):
     """Under mpiexec a dead rank makes MPICH kill the whole job, learner included: bounded, not a hang."""

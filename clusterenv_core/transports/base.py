@@ -12,8 +12,11 @@ the rows with buffer messages; the pool and the worker never see the difference.
 
 from __future__ import annotations
 
+import signal
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
@@ -22,6 +25,29 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
 class RequestNotSent(KeyboardInterrupt):
     """Ctrl-C while a request was being pickled, before any of it was sent: no reply will come.
     (Ctrl-C while it is written raises a plain ``KeyboardInterrupt``: it may be out.)"""
+
+
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back while the body runs, then deliver it once, as its handler takes it
+    (``KeyboardInterrupt`` by default), also if the body raised.
+
+    For the release at the end of ``close()``, which must be short and bounded: run after a first
+    Ctrl-C, it would be cut short by a second one (the user pressing again while it waits for the
+    workers to exit), and leave workers running. Only the main thread runs Python's signal handlers
+    and can set them; elsewhere, or with a SIGINT handler set outside Python, the body runs as is.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    held: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 class Transport(ABC):

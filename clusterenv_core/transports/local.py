@@ -38,7 +38,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.checks import check_bool, check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
-from clusterenv_core.transports.base import RequestNotSent, Transport, WorkerConnection
+from clusterenv_core.transports.base import RequestNotSent, Transport, WorkerConnection, ctrl_c_held
 
 if TYPE_CHECKING:
     from clusterenv_core.transports.inline import InlineWorker
@@ -595,26 +595,32 @@ class LocalTransport(Transport):
             self._release()  # also after Ctrl-C in a wait, which is raised once everything is released
 
     def _release(self) -> None:
-        """Kill the workers still running and free every descriptor, thread and mapping."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            _end_process_group(process)
-        for channel in self.sockets:
-            channel.sock.close()
-        self.processes, self.sockets = [], []
-        if self.inline is not None:
-            self.inline.close()
-            self.inline = None
-        self._stderr.close()
-        for mapping in [self.memory, *self.regions.values()]:
-            if mapping is not None:
-                _unmap(mapping)
-        self.memory, self.regions = None, {}
-        if self.memory_fd is not None:
-            os.close(self.memory_fd)
-            self.memory_fd = None
+        """Kill the workers still running and free every descriptor, thread and mapping, then close
+        the inline worker's envs. A further Ctrl-C (the user pressing again after the one that cut
+        ``close`` short) is held until the workers are ended and everything is freed, which takes
+        moments, or workers would be left running; the envs' close is theirs and stays interruptible."""
+        try:
+            with ctrl_c_held():
+                for process in self.processes:
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
+                    _end_process_group(process)
+                for channel in self.sockets:
+                    channel.sock.close()
+                self.processes, self.sockets = [], []
+                self._stderr.close()
+                for mapping in [self.memory, *self.regions.values()]:
+                    if mapping is not None:
+                        _unmap(mapping)
+                self.memory, self.regions = None, {}
+                if self.memory_fd is not None:
+                    os.close(self.memory_fd)
+                    self.memory_fd = None
+        finally:
+            if self.inline is not None:
+                inline, self.inline = self.inline, None
+                inline.close()
 
 
 class MemoryFileConnection(WorkerConnection):

@@ -285,6 +285,45 @@ def ctrl_c_during_close(where: str) -> None:
         print(f"NEXT POOL refused: {error}", flush=True)
 
 
+def second_ctrl_c_during_close() -> None:
+    """Ctrl-C while the learner waits for the disconnected ranks to exit, and again while close()
+    gives them their last second: the ranks that did not exit are killed all the same, and the
+    KeyboardInterrupt comes once that is done. The ranks are stopped (SIGSTOP) at the first Ctrl-C,
+    so that they are still there when the last second is over, as ranks slow to finalize would be."""
+    from clusterenv_core.transports.mpi.runtime import State, pid_alive
+
+    pool = make_pool()
+    pool.reset(seeds=[0, 1, 2, 3])
+    transport = pool._transport
+    pids = list(transport.pids)
+    wait_for_exits = transport._wait_for_exits
+    ctrl_c = []
+
+    def interrupted_wait_for_exits(deadline: float) -> None:
+        if len(ctrl_c) < 2:
+            if not ctrl_c:
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+            ctrl_c.append(True)
+            signal.raise_signal(signal.SIGINT)
+        wait_for_exits(deadline)
+
+    transport._wait_for_exits = interrupted_wait_for_exits
+    started = time.monotonic()
+    try:
+        pool.close()
+    except KeyboardInterrupt:
+        print(f"OK interrupted {len(ctrl_c)} times, after {time.monotonic() - started:.2f} s", flush=True)
+    deadline = time.monotonic() + 3.0  # a killed rank takes moments to be gone
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if pid_alive(pid)]
+    print("RANKS LEFT", left, flush=True)
+    for pid in left:  # so that a failing run leaves nothing behind either
+        os.kill(pid, signal.SIGKILL)
+        State.finalize_unsafe = True
+
+
 SCENARIOS = {
     "env_exception": env_exception,
     "worker_death": worker_death,
@@ -298,6 +337,7 @@ SCENARIOS = {
     "spawn_after_a_killed_rank": spawn_after_a_killed_rank,
     "close_pending_rollout": close_pending_rollout,
     "ctrl_c_during_close": ctrl_c_during_close,
+    "second_ctrl_c_during_close": second_ctrl_c_during_close,
 }
 
 if __name__ == "__main__":

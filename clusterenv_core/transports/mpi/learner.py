@@ -21,7 +21,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps, loads
-from clusterenv_core.transports.base import RequestNotSent, Transport
+from clusterenv_core.transports.base import RequestNotSent, Transport, ctrl_c_held
 from clusterenv_core.transports.mpi.heartbeat import (
     DEFAULT_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -556,7 +556,10 @@ class MPITransport(Transport):
                 self._part(time.monotonic() + timeout, closed)
             parted = True
         finally:
-            self._release(parted, closed)  # also after Ctrl-C, which is raised once everything is released
+            # Also after Ctrl-C, which is raised once everything is released; a second one waits for
+            # that too, or ranks that had yet to exit would be left running.
+            with ctrl_c_held():
+                self._release(parted, closed)
 
     def _part(self, deadline: float, closed: set[int]) -> None:
         """Leave the workers: with those that answered their close request all, disconnect (they
