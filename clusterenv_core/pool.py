@@ -777,14 +777,18 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
             return
         self._closed = True
         self._stepping = False
-        # The pool's views of the shared memory go first, or the transport could not unmap it: it
-        # would stay, memory and descriptor, as long as the pool object (a model's env, say).
-        if hasattr(self, "buffers"):
-            self.buffers.release()
-            self._obs = None
-        if self.actors is not None:
-            self.actors.release()
-        error = self._finalizer()
+        try:
+            # The pool's views of the shared memory go first, or the transport could not unmap it: it
+            # would stay, memory and descriptor, as long as the pool object (a model's env, say).
+            if hasattr(self, "buffers"):
+                self.buffers.release()
+                self._obs = None
+            if self.actors is not None:
+                self.actors.release()
+        finally:
+            # Also after Ctrl-C above: the pool counts as closed from the start, so a second close()
+            # would not end the workers.
+            error = self._finalizer()
         if error is not None:
             raise error
 

@@ -503,6 +503,23 @@ def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_pat
     assert not [thread for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
 
 
+def test_ctrl_c_while_close_releases_the_views_still_ends_the_workers(no_leaks, monkeypatch):
+    # close() marks the pool closed first, so a later close() does nothing: Ctrl-C in its first
+    # steps (dropping the pool's views of the shared memory) must not skip ending the workers.
+    pool = EnvPool([CARTPOLE] * 2, num_workers=2)
+    pool.reset()
+    pids = pool.worker_pids
+
+    def interrupted_release():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool.buffers, "release", interrupted_release)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert pool.closed
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+
+
 def test_an_env_failing_to_close_is_raised_once_everything_is_released(no_leaks):
     pool = EnvPool([CARTPOLE, CARTPOLE, functools.partial(_wrapped, FailingCloseEnv)], num_workers=2)
     pool.reset()
