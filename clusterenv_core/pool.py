@@ -193,7 +193,9 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         self._failure: ClusterEnvError | None = None
         self._stepping = False
         self._wait_interrupted = False  # step_wait was interrupted with replies unread
-        self._drained_error: EnvError | None = None  # read by a _drain that Ctrl-C cut short: the next raises it
+        # Per worker, the reply (request type, status, result) that _drain read, until it is reported
+        # (_report_drained_replies): also across a drain that Ctrl-C cut short.
+        self._drained_replies: dict[int, tuple[type | None, str, Any]] = {}
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
@@ -289,8 +291,15 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         :raises ValueError: wrong shape, count or values, before anything is sent
         """
         self._check_usable()
-        if self._stepping or self._awaiting or self.actors is not None or self.batches is not None:
-            # Something may be pending or interrupted: the careful checks (skipped on the plain path).
+        if (
+            self._stepping
+            or self._awaiting
+            or self._drained_replies
+            or self.actors is not None
+            or self.batches is not None
+        ):
+            # Something may be pending, interrupted or left to report: the careful checks (skipped on
+            # the plain path).
             if self._stepping and not self._wait_interrupted:
                 raise ClusterEnvError("step_async called while a step is pending: call step_wait first")
             self._check_not_stepping()
@@ -696,10 +705,8 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         """Read replies left unread by an interrupted call, so requests and replies stay paired
         (``keep_steps``: not those of steps, which asynchronous batches still wait for). Their
         results are dropped, but a step or segment whose request went out before Ctrl-C did run on
-        its worker, so they are reported as :meth:`_gather` reports them: the envs they say were
-        replaced are counted, and the first env error among them is raised once all are read (its
-        worker lives on; the env may be left broken), also after Ctrl-C cut a drain short. Not a
-        preload's error: the call that needs the module fails with the reason."""
+        its worker, so they are reported as :meth:`_gather` reports them once all are read (see
+        :meth:`_report_drained_replies`), also after Ctrl-C cut a drain short."""
         for worker in sorted(self._awaiting):
             request_type = self._awaiting[worker]
             if keep_steps and request_type is None:
@@ -711,15 +718,40 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
+            # Kept before it counts as read, and no call in between (CPython runs signal handlers at
+            # calls and loop jumps): Ctrl-C leaves the reply either unread or kept to report.
+            self._drained_replies[worker] = (request_type, status, result)
             del self._awaiting[worker]
             self._reply_arrays.pop(worker, None)
-            self._count_env_restarts(_replaced_envs(request_type, status, result))
-            if status == ERROR and request_type is not protocol.Preload and self._drained_error is None:
-                what = "rollout" if request_type is protocol.Rollout else "step"
-                self._drained_error = _remote_error(worker, result, what, sent_before_ctrl_c=True)
         if not keep_steps:
             self._stepping = False
-        error, self._drained_error = self._drained_error, None
+        self._report_drained_replies()
+
+    def _report_drained_replies(self) -> None:
+        """Count the envs that the replies :meth:`_drain` read say were replaced, then raise the
+        first env error among them (its worker lives on; the env may be left broken). Not a
+        preload's error: the call that needs the module fails with the reason.
+
+        Each reply is reported once, also when Ctrl-C cuts this short: nothing changes until the
+        last lines, which make no call, so Ctrl-C cannot land among them.
+        """
+        replies = self._drained_replies
+        if not replies:
+            return
+        env_restarts = list(self.env_restarts)
+        replaced_count = 0
+        error: EnvError | None = None
+        for worker, (request_type, status, result) in replies.items():
+            for index in _replaced_envs(request_type, status, result):
+                env_restarts[index] += 1
+                replaced_count += 1
+            if status == ERROR and request_type is not protocol.Preload and error is None:
+                what = "rollout" if request_type is protocol.Rollout else "step"
+                error = _remote_error(worker, result, what, sent_before_ctrl_c=True)
+        replaced_total = self.restarts["envs"] + replaced_count
+        self._drained_replies = {}
+        self.restarts["envs"] = replaced_total
+        self.env_restarts[:] = env_restarts
         if error is not None:
             raise error
 

@@ -31,3 +31,25 @@ def ctrl_c_after_send(monkeypatch):
 
     monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
     return arm
+
+
+@pytest.fixture
+def ctrl_c_at_call(monkeypatch):
+    """``arm(owner, name, calls=1)``: Ctrl-C (a ``KeyboardInterrupt``) at the ``calls``-th call of
+    ``owner.name`` from now, as the call starts (CPython runs signal handlers at calls), instead of
+    running it; the calls after it run as before."""
+
+    def arm(owner, name: str, calls: int = 1) -> None:
+        function = getattr(owner, name)
+        calls_left = calls
+
+        def interrupted_at_start(*args, **kwargs):
+            nonlocal calls_left
+            calls_left -= 1
+            if calls_left == 0:
+                raise KeyboardInterrupt
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, interrupted_at_start)
+
+    return arm

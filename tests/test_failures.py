@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
+from clusterenv_core import pool as pool_module
 from tests.envs import (
     BigInfoEnv,
     CallCounter,
@@ -769,6 +770,63 @@ def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(n
     error = caught.value
     assert (error.env_index, error.worker_index, error.operation) == (0, 0, "step sent before Ctrl-C")
     assert "raise ValueError" in error.remote_traceback
+    pool.reset(seeds=[0, 1])
+    assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+    pool.close()
+
+
+@pytest.mark.parametrize("interrupted_call", ["_replaced_envs", "_remote_error"])
+def test_an_env_error_read_just_before_ctrl_c_cut_the_reading_call_short_is_raised_by_the_next_call(
+    no_leaks, ctrl_c_after_send, ctrl_c_at_call, interrupted_call
+):
+    # Ctrl-C once worker 0 has its step, in which env 0 raises; Ctrl-C again just after the next
+    # call read that reply, as it takes it in: the reply is read, and the call after raises its error.
+    env_fns = [functools.partial(_wrapped, FailingEnv, fail_at=1), CARTPOLE]
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    ctrl_c_after_send()
+    with pytest.raises(KeyboardInterrupt):
+        _step_zeros(pool)
+    ctrl_c_at_call(pool_module, interrupted_call)
+    with pytest.raises(KeyboardInterrupt):
+        pool.reset(seeds=[0, 1])
+    with pytest.raises(EnvError, match="injected failure at step 1") as caught:
+        pool.reset(seeds=[0, 1])
+    assert (caught.value.env_index, caught.value.worker_index, caught.value.operation) == (0, 0, "step sent before Ctrl-C")
+    pool.reset(seeds=[0, 1])
+    assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    "next_call",
+    [
+        _step_zeros,
+        lambda pool: pool.reset(seeds=[0, 1]),
+        lambda pool: pool.call("render"),
+        lambda pool: pool.get_attr("total_steps"),
+        lambda pool: pool.set_attr("fail_at", [0, 0]),
+        lambda pool: pool.env_is_wrapped(FailingEnv),
+    ],
+    ids=["step", "reset", "call", "get_attr", "set_attr", "env_is_wrapped"],
+)
+def test_an_env_error_kept_by_a_call_that_ctrl_c_cut_short_once_every_reply_was_read_is_raised_by_any_next_call(
+    no_leaks, ctrl_c_after_send, ctrl_c_at_call, next_call
+):
+    # Both workers get their step, in which both envs raise; Ctrl-C cuts the next call short once it
+    # read both replies, as it takes in worker 1's: nothing is left unread, and whatever comes next
+    # (the plain step path too) raises env 0's error, once.
+    pool = EnvPool([functools.partial(_wrapped, FailingEnv, fail_at=1)] * 2, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    ctrl_c_after_send(sends=2)
+    with pytest.raises(KeyboardInterrupt):
+        _step_zeros(pool)
+    ctrl_c_at_call(pool_module, "_replaced_envs", calls=2)
+    with pytest.raises(KeyboardInterrupt):
+        pool.reset(seeds=[0, 1])
+    with pytest.raises(EnvError, match="injected failure at step 1") as caught:
+        next_call(pool)
+    assert (caught.value.env_index, caught.value.worker_index, caught.value.operation) == (0, 0, "step sent before Ctrl-C")
     pool.reset(seeds=[0, 1])
     assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]
     pool.close()

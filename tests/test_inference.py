@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerTimeoutError  # noqa: E402
+from clusterenv_core import pool as pool_module  # noqa: E402
 from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
 from clusterenv_core.inference import (  # noqa: E402
     LearnerGone,
@@ -96,6 +97,28 @@ def test_an_env_error_in_a_segment_cut_short_by_ctrl_c_is_raised_by_the_next_cal
             pool.reset(seeds=[0, 1])
         error = caught.value
         assert (error.env_index, error.worker_index, error.operation) == (0, 0, "rollout sent before Ctrl-C")
+        pool.reset(seeds=[0, 1])
+        assert actors.rollout(4).rewards.shape == (4, 2)
+
+
+def test_an_env_error_kept_by_a_call_that_ctrl_c_cut_short_once_every_reply_was_read_is_raised_by_rollout_async(
+    ctrl_c_after_send, ctrl_c_at_call
+):
+    # Both workers get their rollout request, in whose segments both envs raise; Ctrl-C cuts the
+    # next call short once it read both replies, as it takes in worker 1's: the next rollout_async
+    # raises env 0's error, once.
+    env_fns = [lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=2)] * 2
+    with EnvPool(env_fns, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy(), seed=0)
+        ctrl_c_after_send(sends=2)
+        with pytest.raises(KeyboardInterrupt):
+            actors.rollout_async(4)
+        ctrl_c_at_call(pool_module, "_replaced_envs", calls=2)
+        with pytest.raises(KeyboardInterrupt):
+            pool.reset(seeds=[0, 1])
+        with pytest.raises(EnvError, match="rollout sent before Ctrl-C failed in env 0 on worker 0"):
+            actors.rollout_async(4)
         pool.reset(seeds=[0, 1])
         assert actors.rollout(4).rewards.shape == (4, 2)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
+from clusterenv_core import pool as pool_module
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from tests.envs import (
     ActionDtypeEnv,
@@ -192,6 +193,25 @@ def test_env_restarts_of_a_step_cut_short_by_ctrl_c_are_counted(ctrl_c_after_sen
             pool.step(_zeros(pool))  # worker 0 got its step, in which env 0 is replaced; worker 1 none
         pool.reset(seeds=[0, 1])
         assert pool.restarts == {"envs": 1, "workers": 0} and pool.env_restarts == [1, 0]
+
+
+@pytest.mark.parametrize("interrupted_reply", [1, 2])
+def test_env_restarts_read_just_before_ctrl_c_cut_the_reading_call_short_are_counted_once(
+    ctrl_c_after_send, ctrl_c_at_call, interrupted_reply
+):
+    # Both workers get their step, in which each replaces its env; Ctrl-C cuts the next call short
+    # just after it read the first or the second reply, as it takes it in: each restart counts once.
+    env_fns = [functools.partial(_with, FailingEnv, fail_at=1)] * 2
+    with EnvPool(env_fns, num_workers=2, restart_failed_envs=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1])
+        ctrl_c_after_send(sends=2)
+        with pytest.raises(KeyboardInterrupt):
+            pool.step(_zeros(pool))
+        ctrl_c_at_call(pool_module, "_replaced_envs", calls=interrupted_reply)
+        with pytest.raises(KeyboardInterrupt):
+            pool.reset(seeds=[0, 1])
+        pool.reset(seeds=[0, 1])
+        assert pool.restarts == {"envs": 2, "workers": 0} and pool.env_restarts == [1, 1]
 
 
 def test_an_envs_restart_budget_outlives_its_worker():
