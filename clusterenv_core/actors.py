@@ -182,11 +182,12 @@ class WorkerActors:
             raise ClusterEnvError("rollout_wait called without rollout_async")
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
         try:
-            results = pool._gather(sorted(pool._awaiting), "rollout", timeout=timeout)
+            # With the replies read before Ctrl-C cut an earlier wait for this segment short.
+            results = pool._gather(sorted({*pool._awaiting, *pool._read_replies}), "rollout", timeout=timeout)
         finally:
-            # Interrupted (Ctrl-C) with replies unread, the rollout stays pending: rollout_wait resumes
-            # it, and any other call of the pool first finishes it.
-            self.wait_interrupted = bool(pool._awaiting)
+            # Interrupted (Ctrl-C) with replies unread or unreported, the rollout stays pending:
+            # rollout_wait resumes it, and any other call of the pool first finishes it.
+            self.wait_interrupted = bool(pool._awaiting or pool._read_replies)
             if not self.wait_interrupted:
                 self._pending = None
         n_steps = region.rewards.shape[1]

@@ -193,9 +193,10 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         self._failure: ClusterEnvError | None = None
         self._stepping = False
         self._wait_interrupted = False  # step_wait was interrupted with replies unread
-        # Per worker, the reply (request type, status, result) that _drain read, until it is reported
-        # (_report_drained_replies): also across a drain that Ctrl-C cut short.
-        self._drained_replies: dict[int, tuple[type | None, str, Any]] = {}
+        # Per worker, a reply read and not yet reported (request type, status, result): by _gather or
+        # _drain until all the replies they wait for are in (_report_replies). Ctrl-C that cuts a wait
+        # short leaves them here, for the wait that resumes it or the next call's drain to report.
+        self._read_replies: dict[int, tuple[type | None, str, Any]] = {}
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarter: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
@@ -294,7 +295,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         if (
             self._stepping
             or self._awaiting
-            or self._drained_replies
+            or self._read_replies
             or self.actors is not None
             or self.batches is not None
         ):
@@ -380,6 +381,8 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
             # The last worker is the last to get its step and, with no spin, the last to finish: waiting
             # for it first finds the others' replies in, one wake-up instead of one per worker.
             stepping = sorted(self._awaiting, reverse=True)
+            if self._read_replies:  # read before Ctrl-C cut an earlier wait for this step short
+                stepping = sorted({*self._awaiting, *self._read_replies}, reverse=True)
             if restarter is not None:  # after an interrupted replacement: its requests are not steps
                 stepping = [worker for worker in stepping if worker not in restarter.lost]
             results = self._gather(stepping, "step", step=True)
@@ -388,7 +391,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         finally:
             # Interrupted (Ctrl-C) with replies unread, the step stays pending: step_wait resumes it,
             # and any other call first finishes it (see _check_not_stepping).
-            self._stepping = bool(self._awaiting or (restarter is not None and restarter.lost))
+            self._stepping = bool(self._awaiting or self._read_replies or (restarter is not None and restarter.lost))
             self._wait_interrupted = self._stepping
         infos: dict[int, dict] = {}
         reset_infos: dict[int, dict] = {}
@@ -460,13 +463,6 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
     def _store_pickled_obs(self, parts: dict) -> None:
         for index, obs in parts.get("obs", {}).items():
             self._obs[index] = obs
-
-    def _count_env_restarts(self, indices: Iterable[int]) -> None:
-        """Count the envs a reply says were replaced (its ``env_restarts``), in all and per env: an
-        env's budget of ``max_restarts`` goes to the worker that replaces its worker."""
-        for index in indices:
-            self.restarts["envs"] += 1
-            self.env_restarts[index] += 1
 
     # -- worker-side inference --------------------------------------------------------------------
 
@@ -655,9 +651,10 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         timeout: float | None = None,
         on_reply: Callable[[int, Any], None] | None = None,
     ) -> dict[int, Any]:
-        """Every listed worker's reply result; the remote error of the lowest-numbered worker (the
-        first env) is raised once all have answered. The envs the replies say were replaced are
-        counted as each reply comes (see :func:`_replaced_envs`), so also when an error follows.
+        """Every listed worker's reply result, once all have answered (see :meth:`_report_replies`:
+        the envs the replies say were replaced are counted, and the remote error of the
+        lowest-numbered worker, the first env, is raised). A reply read before Ctrl-C cut an earlier
+        wait short is kept (:attr:`_read_replies`) and not read again.
 
         Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
         buffers and in the arrays given to :meth:`_send` first. ``on_reply(worker, result)`` runs
@@ -666,10 +663,11 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         """
         transport = self._transport
         timeout = self.timeout if timeout is None else timeout
-        results: dict[int, Any] = {}
-        first_error: EnvError | None = None  # of the lowest-numbered worker that failed
-        awaiting, reply_arrays = self._awaiting, self._reply_arrays
+        workers = list(workers)
+        awaiting, reply_arrays, read = self._awaiting, self._reply_arrays, self._read_replies
         for worker in workers:
+            if worker in read:
+                continue
             request_type = awaiting.get(worker)
             try:
                 status, result = _read_reply(
@@ -681,19 +679,13 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 awaiting.pop(worker, None)
                 self._lost_in_step(worker, error)
                 continue
-            awaiting.pop(worker, None)
+            # Kept before it counts as read, and no call in between (CPython runs signal handlers at
+            # calls and loop jumps): Ctrl-C leaves the reply either unread or kept.
+            read[worker] = (request_type, status, result)
+            if worker in awaiting:
+                del awaiting[worker]
             reply_arrays.pop(worker, None)
-            self._count_env_restarts(_replaced_envs(request_type, status, result))
-            if status == ERROR:
-                if first_error is None or worker < first_error.worker_index:
-                    first_error = _remote_error(worker, result, what)
-            else:
-                results[worker] = result
-                if on_reply is not None:
-                    on_reply(worker, result)
-        if first_error is not None:
-            raise first_error
-        return results
+        return self._report_replies(workers, what, on_reply)
 
     def _lost_in_step(self, worker: int, error: ClusterEnvError) -> None:
         """A worker lost during a step: replaced when the step completes, if it may be, else fatal."""
@@ -706,10 +698,12 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         (``keep_steps``: not those of steps, which asynchronous batches still wait for). Their
         results are dropped, but a step or segment whose request went out before Ctrl-C did run on
         its worker, so they are reported as :meth:`_gather` reports them once all are read (see
-        :meth:`_report_drained_replies`), also after Ctrl-C cut a drain short."""
+        :meth:`_report_replies`), also after Ctrl-C cut a drain short, with the replies an
+        interrupted call had read."""
+        read = self._read_replies
         for worker in sorted(self._awaiting):
             request_type = self._awaiting[worker]
-            if keep_steps and request_type is None:
+            if (keep_steps and request_type is None) or worker in read:
                 continue
             timeout = _reply_timeout(request_type, self.timeout)
             try:
@@ -720,40 +714,68 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 raise self._fail(error)
             # Kept before it counts as read, and no call in between (CPython runs signal handlers at
             # calls and loop jumps): Ctrl-C leaves the reply either unread or kept to report.
-            self._drained_replies[worker] = (request_type, status, result)
+            read[worker] = (request_type, status, result)
             del self._awaiting[worker]
             self._reply_arrays.pop(worker, None)
         if not keep_steps:
             self._stepping = False
-        self._report_drained_replies()
+        if read:
+            # Not the replies of steps that asynchronous batches still wait for (keep_steps).
+            drained = [worker for worker, reply in read.items() if not (keep_steps and reply[0] is None)]
+            self._report_replies(drained, None)
 
-    def _report_drained_replies(self) -> None:
-        """Count the envs that the replies :meth:`_drain` read say were replaced, then raise the
-        first env error among them (its worker lives on; the env may be left broken). Not a
-        preload's error: the call that needs the module fails with the reason.
+    def _report_replies(
+        self, workers: list[int], what: str | None, on_reply: Callable[[int, Any], None] | None = None
+    ) -> dict[int, Any]:
+        """Report the replies of ``workers`` kept in :attr:`_read_replies`: count the envs they say
+        were replaced, return each successful one's result, and raise the remote error of the
+        lowest-numbered worker (its worker lives on; the env may be left broken).
 
         Each reply is reported once, also when Ctrl-C cuts this short: nothing changes until the
-        last lines, which make no call, so Ctrl-C cannot land among them.
+        lines that take the replies out and count the envs, which make no call and run no loop, so
+        Ctrl-C cannot land among them.
+
+        :param what: how a failed step is named; ``None`` for replies that :meth:`_drain` read, of
+            calls that Ctrl-C cut short: their results are dropped, their errors say so, and a
+            preload's error is left to the call that needs the module
         """
-        replies = self._drained_replies
-        if not replies:
-            return
-        env_restarts = list(self.env_restarts)
-        replaced_count = 0
-        error: EnvError | None = None
-        for worker, (request_type, status, result) in replies.items():
-            for index in _replaced_envs(request_type, status, result):
+        read = self._read_replies
+        results: dict[int, Any] = {}
+        first_error: EnvError | None = None
+        replaced: list[int] = []
+        reported: set[int] = set()
+        for worker in workers:
+            if worker not in read:  # lost in a step: replaced once the step's replies are in
+                continue
+            reported.add(worker)
+            request_type, status, result = read[worker]
+            replaced.extend(_replaced_envs(request_type, status, result))
+            if status != ERROR:
+                results[worker] = result
+            elif first_error is None or worker < first_error.worker_index:
+                if what is not None:
+                    first_error = _remote_error(worker, result, what)
+                elif request_type is not protocol.Preload:
+                    named = "rollout" if request_type is protocol.Rollout else "step"
+                    first_error = _remote_error(worker, result, named, sent_before_ctrl_c=True)
+        remaining = {}
+        if len(read) > len(reported):
+            remaining = {worker: reply for worker, reply in read.items() if worker not in reported}
+        if replaced:  # counted in all and per env: an env's budget of max_restarts follows it to new workers
+            env_restarts = list(self.env_restarts)
+            for index in replaced:
                 env_restarts[index] += 1
-                replaced_count += 1
-            if status == ERROR and request_type is not protocol.Preload and error is None:
-                what = "rollout" if request_type is protocol.Rollout else "step"
-                error = _remote_error(worker, result, what, sent_before_ctrl_c=True)
-        replaced_total = self.restarts["envs"] + replaced_count
-        self._drained_replies = {}
-        self.restarts["envs"] = replaced_total
-        self.env_restarts[:] = env_restarts
-        if error is not None:
-            raise error
+            replaced_total = self.restarts["envs"] + len(replaced)
+        self._read_replies = remaining
+        if replaced:
+            self.restarts["envs"] = replaced_total
+            self.env_restarts[:] = env_restarts
+        if on_reply is not None:
+            for worker in results:
+                on_reply(worker, results[worker])
+        if first_error is not None:
+            raise first_error
+        return results
 
     def _fail(self, error: ClusterEnvError) -> ClusterEnvError:
         """Remember that the pool is unusable; returns ``error`` for raising."""

@@ -752,6 +752,37 @@ def test_ctrl_c_right_after_a_request_went_out_keeps_requests_and_replies_paired
     pool.close()
 
 
+def test_a_reply_read_before_ctrl_c_cut_step_wait_short_is_returned_when_it_resumes(no_leaks):
+    # step_wait reads worker 1 first (the last to get its step), then waits for worker 0's slow env:
+    # Ctrl-C there leaves worker 1's reply read; the resumed step_wait still returns its info.
+    env_fns = [functools.partial(SlowCartPole, seconds=1.5), lambda: BigInfoEnv(gym.make("CartPole-v1"), 3)]
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    pool.step_async(np.zeros(2, dtype=np.int64))
+    interrupt_soon(0.5)
+    with pytest.raises(KeyboardInterrupt):
+        pool.step_wait()
+    result = pool.step_wait()
+    assert list(result.infos) == [1] and result.infos[1]["frame"].tolist() == [1, 1, 1]
+    assert result.rewards.tolist() == [1.0, 1.0]
+    pool.close()
+
+
+def test_an_env_error_read_before_ctrl_c_cut_step_wait_short_is_raised_when_it_resumes(no_leaks):
+    env_fns = [functools.partial(SlowCartPole, seconds=1.5), functools.partial(_wrapped, FailingEnv, fail_at=1)]
+    pool = EnvPool(env_fns, num_workers=2)
+    pool.reset(seeds=[0, 1])
+    pool.step_async(np.zeros(2, dtype=np.int64))
+    interrupt_soon(0.5)
+    with pytest.raises(KeyboardInterrupt):
+        pool.step_wait()
+    with pytest.raises(EnvError, match="injected failure at step 1") as caught:
+        pool.step_wait()
+    assert (caught.value.env_index, caught.value.worker_index, caught.value.operation) == (1, 1, "step")
+    assert _step_zeros(pool).rewards.tolist() == [1.0, 1.0]  # the worker lives on
+    pool.close()
+
+
 def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(no_leaks, ctrl_c_after_send):
     # Ctrl-C once both workers have their step (in which env 0 raises): the next call reads the
     # replies and raises env 0's error, as step_wait would have, also when Ctrl-C cuts that read

@@ -361,6 +361,24 @@ def test_repeated_deploys_do_not_grow_the_shared_memory():
         assert np.array_equal(kept.obs, kept_obs)
 
 
+def test_an_env_error_read_before_ctrl_c_cut_rollout_wait_short_is_raised_when_it_resumes():
+    # rollout_wait reads worker 0's failed segment, then waits for worker 1's slow one: Ctrl-C
+    # there leaves worker 0's reply read, and the resumed rollout_wait raises its error.
+    env_fns = [lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=2), functools.partial(SlowCartPole, seconds=0.3)]
+    with EnvPool(env_fns, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy(), seed=0)
+        actors.rollout_async(4)
+        interrupt_soon(0.5)
+        with pytest.raises(KeyboardInterrupt):
+            actors.rollout_wait()
+        with pytest.raises(EnvError, match="injected failure at step 2") as caught:
+            actors.rollout_wait()
+        assert (caught.value.env_index, caught.value.worker_index) == (0, 0)
+        assert not actors.pending
+        pool.reset(seeds=[0, 1])
+
+
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
