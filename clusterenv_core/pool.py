@@ -36,7 +36,7 @@ from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS
 from clusterenv_core.results import ResetResult, StepResult
 from clusterenv_core.spaces import common_spaces, delivered_dtype
 from clusterenv_core.transports import Transport, make_transport
-from clusterenv_core.transports.base import RequestNotSent
+from clusterenv_core.transports.base import RequestNotSent, ctrl_c_held
 
 if TYPE_CHECKING:
     from clusterenv_core.actors import WorkerActors
@@ -670,22 +670,29 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 continue
             request_type = awaiting.get(worker)
             try:
-                status, result = _read_reply(
-                    transport, worker, request_type, _reply_timeout(request_type, timeout), reply_arrays.get(worker)
+                _read_reply(
+                    transport,
+                    worker,
+                    request_type,
+                    _reply_timeout(request_type, timeout),
+                    reply_arrays.get(worker),
+                    self._keep_reply,
                 )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not step:
                     raise self._fail(error)
                 awaiting.pop(worker, None)
                 self._lost_in_step(worker, error)
-                continue
-            # Kept before it counts as read, and no call in between (CPython runs signal handlers at
-            # calls and loop jumps): Ctrl-C leaves the reply either unread or kept.
-            read[worker] = (request_type, status, result)
-            if worker in awaiting:
-                del awaiting[worker]
-            reply_arrays.pop(worker, None)
         return self._report_replies(workers, what, on_reply)
+
+    def _keep_reply(self, worker: int, request_type: type | None, status: str, result: Any) -> None:
+        """Keep a reply just read in :attr:`_read_replies`, for :meth:`_report_replies`; it no longer
+        counts as awaited. :func:`_read_reply` calls it as soon as the reply is in."""
+        # Kept before it counts as read (CPython runs signal handlers at calls and loop jumps):
+        # Ctrl-C at the calls below leaves the reply kept, not lost.
+        self._read_replies[worker] = (request_type, status, result)
+        self._awaiting.pop(worker, None)
+        self._reply_arrays.pop(worker, None)
 
     def _lost_in_step(self, worker: int, error: ClusterEnvError) -> None:
         """A worker lost during a step: replaced when the step completes, if it may be, else fatal."""
@@ -707,16 +714,11 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 continue
             timeout = _reply_timeout(request_type, self.timeout)
             try:
-                status, result = _read_reply(
-                    self._transport, worker, request_type, timeout, self._reply_arrays.get(worker)
+                _read_reply(
+                    self._transport, worker, request_type, timeout, self._reply_arrays.get(worker), self._keep_reply
                 )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self._fail(error)
-            # Kept before it counts as read, and no call in between (CPython runs signal handlers at
-            # calls and loop jumps): Ctrl-C leaves the reply either unread or kept to report.
-            read[worker] = (request_type, status, result)
-            del self._awaiting[worker]
-            self._reply_arrays.pop(worker, None)
         if not keep_steps:
             self._stepping = False
         if read:
@@ -943,25 +945,42 @@ def _remote_error(worker: int, details: protocol.ErrorDetails, what: str, sent_b
 
 
 def _read_reply(
-    transport: Transport, worker: int, request_type: type | None, timeout: float, arrays: list | None = None
-) -> tuple[str, Any]:
-    """The worker's reply to a request of ``request_type`` (``None``: a step), read past its progress
+    transport: Transport,
+    worker: int,
+    request_type: type | None,
+    timeout: float,
+    arrays: list | None = None,
+    keep: Callable[[int, type | None, str, Any], None] | None = None,
+) -> None:
+    """Read the worker's reply to a request of ``request_type`` (``None``: a step) past its progress
     reports (each restarts the ``timeout``), with the result rows and arrays that follow it.
+
+    Once a reply followed by rows or arrays is read, they are received and the reply kept with
+    Ctrl-C held (:func:`~clusterenv_core.transports.base.ctrl_c_held`), which is delivered right
+    after: Ctrl-C in their receive (MPI waits for their messages, milliseconds for a large segment)
+    would lose the reply and leave them unreceived, for a later receive to take. Other replies,
+    steps' among them, are kept at once, with nothing held.
 
     :param arrays: where the arrays that follow the reply of a ``REPLY_ARRAYS`` request go (the
         arrays given to ``EnvPool._send``); left unreceived, they would stay queued in the
         transport, and a large one keeps the worker from reading its next request (MPI)
+    :param keep: ``keep(worker, request_type, status, result)`` stores the reply as read
+        (``EnvPool._keep_reply``), before Ctrl-C can take effect where it is held
     """
     recv = transport.recv_step if request_type is None else transport.recv
     status, result = recv(worker, timeout)
     while status == PROGRESS:
         status, result = recv(worker, timeout)
-    if status == OK and request_type is not None:
-        if request_type.REPLY_ROWS:
-            transport.recv_rows(worker, timeout)
-        if request_type.REPLY_ARRAYS:
-            transport.recv_arrays(worker, arrays, timeout)
-    return status, result
+    if status == OK and request_type is not None and (request_type.REPLY_ROWS or request_type.REPLY_ARRAYS):
+        with ctrl_c_held():
+            if request_type.REPLY_ROWS:
+                transport.recv_rows(worker, timeout)
+            if request_type.REPLY_ARRAYS:
+                transport.recv_arrays(worker, arrays, timeout)
+            if keep is not None:
+                keep(worker, request_type, status, result)
+    elif keep is not None:
+        keep(worker, request_type, status, result)
 
 
 def _shutdown(
@@ -1000,7 +1019,9 @@ def _shutdown(
             if worker in transport.failed:
                 continue
             try:
-                if worker in awaiting:  # a pending reply first, so the close reply is the next one
+                # A pending reply first, so the close reply is the next one; Ctrl-C in the receive
+                # of its rows or arrays waits for them (until the deadline), as in the pool's calls.
+                if worker in awaiting:
                     _read_reply(transport, worker, awaiting.pop(worker), remaining(), reply_arrays.pop(worker, None))
                 transport.send(worker, protocol.Close())
                 asked[worker] = time.monotonic()

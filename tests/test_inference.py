@@ -397,6 +397,52 @@ def test_an_interrupted_rollout_is_finished_by_the_next_call():
         assert 4 * 0.05 <= rollout.collect_seconds < 0.45 < time.perf_counter() - started
 
 
+@pytest.mark.parametrize("interrupted", ["rollout_wait", "reset"])
+def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply(interrupted):
+    run_ctrl_c_receiving_rows_and_arrays_checks("local", interrupted)  # MPI: tests/test_mpi_backend.py
+
+
+def ctrl_c_in(transport, receive: str) -> None:
+    """Ctrl-C (a real SIGINT) once, as the transport's next ``receive`` of the rows or arrays that
+    follow a reply starts: the reply is read by then."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as tests.interrupts.interrupt_soon
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    received = getattr(transport, receive)
+
+    def interrupted(*args):
+        delattr(transport, receive)
+        signal.raise_signal(signal.SIGINT)
+        received(*args)
+
+    setattr(transport, receive, interrupted)
+
+
+def run_ctrl_c_receiving_rows_and_arrays_checks(backend: str, interrupted: str) -> None:
+    """Ctrl-C while the learner receives the arrays of worker 0's segment (``interrupted``:
+    ``"rollout_wait"``) or the rows of its reset (``"reset"``); the MPI backend waits for their
+    messages, milliseconds for a large segment. They are received and the reply kept before the
+    KeyboardInterrupt comes, so the resumed rollout_wait returns the whole segment, and the next
+    reset works, instead of waiting until the timeout for a reply already read."""
+    policy = LinearPolicy(greedy=True)
+    seeds = [10, 11, 12, 13]
+    expected, last_obs = reference_rollout(policy, seeds, 60)
+    with EnvPool.make("CartPole-v1", 4, num_workers=2, backend=backend, timeout=3.0) as pool:
+        first_obs = pool.reset(seeds=seeds).obs.copy()
+        actors = pool.deploy(policy)
+        if interrupted == "rollout_wait":
+            actors.rollout_async(60)
+            ctrl_c_in(pool._transport, "recv_arrays")
+            with pytest.raises(KeyboardInterrupt):
+                actors.rollout_wait()
+            assert_rollout_matches(actors.rollout_wait(), expected, last_obs)
+        else:
+            ctrl_c_in(pool._transport, "recv_rows")
+            with pytest.raises(KeyboardInterrupt):
+                pool.reset(seeds=seeds)
+        np.testing.assert_array_equal(pool.reset(seeds=seeds).obs, first_obs)
+        assert_rollout_matches(actors.rollout(60), expected, last_obs)
+
+
 def test_published_weights_reach_workers_and_versions_are_recorded():
     policy = LinearPolicy(greedy=True)
     with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:

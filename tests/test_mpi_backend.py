@@ -277,6 +277,15 @@ def test_rollout_timeout_bounds_the_time_without_progress():
     assert code == 0 and "OK rollout_progress" in output, output
 
 
+def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply():
+    """tests/test_inference.py's checks over MPI, where the rows and arrays are messages to wait for:
+    Ctrl-C there no longer loses the reply (the next call then timed out waiting for it)."""
+    code, output, _ = launch("spawn", "faults.py", "ctrl_c_receiving_rows_and_arrays", timeout=120.0)
+    assert code == 0, output
+    assert "OK ctrl_c_receiving_rows_and_arrays rollout_wait" in output, output
+    assert "OK ctrl_c_receiving_rows_and_arrays reset" in output, output
+
+
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_hang_is_timeout_then_abort_at_exit(mode):
     """A stuck world rank cannot be killed alone: WorkerTimeoutError, close() returns, and the learner

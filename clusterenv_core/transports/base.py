@@ -32,10 +32,12 @@ def ctrl_c_held() -> Iterator[None]:
     """Hold Ctrl-C (SIGINT) back while the body runs, then deliver it once, as its handler takes it
     (``KeyboardInterrupt`` by default), also if the body raised.
 
-    For the release at the end of ``close()``, which must be short and bounded: run after a first
-    Ctrl-C, it would be cut short by a second one (the user pressing again while it waits for the
-    workers to exit), and leave workers running. Only the main thread runs Python's signal handlers
-    and can set them; elsewhere, or with a SIGINT handler set outside Python, the body runs as is.
+    For what must be short and bounded and not be cut short: the release at the end of ``close()``
+    (run after a first Ctrl-C, a second one, the user pressing again while it waits for the workers
+    to exit, would leave workers running), and the receive of the rows and arrays that follow a
+    reply already read (the reply would be lost). Only the main thread runs Python's signal
+    handlers and can set them; elsewhere, or with a SIGINT handler set outside Python, the body
+    runs as is.
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield

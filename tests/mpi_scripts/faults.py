@@ -182,6 +182,17 @@ def rollout_progress() -> None:
     print("OK rollout_progress", flush=True)
 
 
+def ctrl_c_receiving_rows_and_arrays() -> None:
+    import torch
+
+    from tests.test_inference import run_ctrl_c_receiving_rows_and_arrays_checks
+
+    torch.set_num_threads(1)
+    for interrupted in ("rollout_wait", "reset"):
+        run_ctrl_c_receiving_rows_and_arrays_checks("mpi", interrupted)
+        print(f"OK ctrl_c_receiving_rows_and_arrays {interrupted}", flush=True)
+
+
 def close_pending_rollout() -> None:
     """close() with a rollout started and not waited for, as an overlapped collection leaves one at
     the end of training: the segments are received and dropped. Left unreceived, a small segment
@@ -333,6 +344,7 @@ SCENARIOS = {
     "learner_exception": learner_exception,
     "wrong_num_workers": wrong_num_workers,
     "rollout_progress": rollout_progress,
+    "ctrl_c_receiving_rows_and_arrays": ctrl_c_receiving_rows_and_arrays,
     "first_rank_dies": first_rank_dies,
     "spawn_after_a_killed_rank": spawn_after_a_killed_rank,
     "close_pending_rollout": close_pending_rollout,
