@@ -39,6 +39,19 @@ def make_pool(last_env=CARTPOLE, **kwargs) -> EnvPool:
     return pool
 
 
+def ranks_left(pids: list[int]) -> list[int]:
+    """The ranks among ``pids`` still alive after up to 3 s (a killed rank takes moments to be gone),
+    printed as ``RANKS LEFT``."""
+    from clusterenv_core.transports.mpi.runtime import pid_alive
+
+    deadline = time.monotonic() + 3.0
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if pid_alive(pid)]
+    print("RANKS LEFT", left, flush=True)
+    return left
+
+
 def step(pool: EnvPool):
     return pool.step(np.zeros(pool.num_envs, dtype=np.int64))
 
@@ -245,7 +258,6 @@ def ctrl_c_during_close(where: str) -> None:
     import threading
 
     from clusterenv_core.transports.mpi import learner
-    from clusterenv_core.transports.mpi.runtime import pid_alive
     from tests.envs import SlowCloseEnv
     from tests.interrupts import interrupt_soon
 
@@ -280,10 +292,7 @@ def ctrl_c_during_close(where: str) -> None:
     except KeyboardInterrupt:
         print(f"OK interrupted after {time.monotonic() - started:.2f} s", flush=True)
     pool.close()  # nothing left to do
-    deadline = time.monotonic() + 3.0
-    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    print("RANKS LEFT", [pid for pid in pids if pid_alive(pid)], flush=True)
+    ranks_left(pids)
     left = [thread.name for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
     print("THREADS LEFT", left, flush=True)
     print("DESCRIPTORS LEFT", len(os.listdir("/proc/self/fd")) - descriptors, flush=True)
@@ -301,7 +310,7 @@ def second_ctrl_c_during_close() -> None:
     gives them their last second: the ranks that did not exit are killed all the same, and the
     KeyboardInterrupt comes once that is done. The ranks are stopped (SIGSTOP) at the first Ctrl-C,
     so that they are still there when the last second is over, as ranks slow to finalize would be."""
-    from clusterenv_core.transports.mpi.runtime import State, pid_alive
+    from clusterenv_core.transports.mpi.runtime import State
 
     pool = make_pool()
     pool.reset(seeds=[0, 1, 2, 3])
@@ -325,12 +334,7 @@ def second_ctrl_c_during_close() -> None:
         pool.close()
     except KeyboardInterrupt:
         print(f"OK interrupted {len(ctrl_c)} times, after {time.monotonic() - started:.2f} s", flush=True)
-    deadline = time.monotonic() + 3.0  # a killed rank takes moments to be gone
-    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = [pid for pid in pids if pid_alive(pid)]
-    print("RANKS LEFT", left, flush=True)
-    for pid in left:  # so that a failing run leaves nothing behind either
+    for pid in ranks_left(pids):  # so that a failing run leaves nothing behind either
         os.kill(pid, signal.SIGKILL)
         State.finalize_unsafe = True
 
