@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import time
 
 import numpy as np
 import torch
-from learn_throughput import RUNS
+from learn_throughput import RUNS, write_results
 from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.vec_env import DummyVecEnv
 
@@ -89,11 +87,7 @@ def main() -> None:
             f"| {args.run} | {name} | {row['steps_per_s']:,.0f} | {row['vs_dummy']:.2f}x"
             f" ({ratios.min():.2f}–{ratios.max():.2f}) |"
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as file:
-        machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
-        json.dump({"machine": machine, "chunk": args.chunk, "results": results}, file, indent=2)
-    print(f"\nwrote {args.json}")
+    write_results(args.json, results, chunk=args.chunk)
 
 
 if __name__ == "__main__":

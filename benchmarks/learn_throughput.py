@@ -154,6 +154,15 @@ def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, a
     }
 
 
+def write_results(path: str, results: list[dict], **settings: Any) -> None:
+    """Write ``results`` and the machine they were measured on (plus ``settings``) as JSON."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+        json.dump({"machine": machine, **settings, "results": results}, file, indent=2)
+    print(f"\nwrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
@@ -210,11 +219,7 @@ def main() -> None:
             f"| {row['run']} | {row['vec_env']} | {row['steps_per_s']:,.0f} | {row['vs_dummy']:.2f}x | {row['learn_s']:.1f} |"
             f" {row['collect_s']:.1f} | {row['train_s']:.1f} | {row['setup_s']:.1f} | {row['model_s']:.1f} |"
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as file:
-        machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
-        json.dump({"machine": machine, "results": results}, file, indent=2)
-    print(f"\nwrote {args.json}")
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":
