@@ -10,10 +10,9 @@ carry the optimizer (nor the last distribution SB3 caches on the policy): only t
   actions and log-probabilities of the policy's ``forward`` (not its values: the learner
   recomputes values for the whole segment, so the workers skip the critic) and adds the actions
   the envs receive, clipped to the Box bounds or unscaled as SB3's ``collect_rollouts`` does. For
-  SB3's ``MlpPolicy`` with a Gaussian or categorical distribution it runs :class:`_MlpForward`,
-  the same operations without SB3's module and distribution objects, and the Gaussian's
-  log-probability terms in numpy (same numbers, bit for bit; 167 -> 128 µs a step for 8
-  HalfCheetah observations, against 247 µs through SB3's modules).
+  SB3's ``MlpPolicy`` with a Gaussian or categorical distribution, ``numpy_actor`` gives the
+  workers :class:`_NumpyMlpActor`: the same operations in numpy, without torch's cost per
+  operation (850 -> 265 µs of CPU a step for 8 HalfCheetah observations inside a rollout).
 - :class:`QNetworkDeployable` wraps a DQN ``QNetwork``: ``act(obs, epsilon=...)`` is
   epsilon-greedy per env, random draws from the worker's torch generator (seeded per worker by
   ``EnvPool.deploy(seed=...)``).
@@ -117,11 +116,6 @@ class ActorCriticDeployable(_Deployable):
     def _not_copied(self) -> list:
         return [getattr(self.policy, "optimizer", None), getattr(self.policy.action_dist, "distribution", None)]
 
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state.pop("_mlp_forward", None)  # rebuilt where it runs, around that copy's parameters
-        return state
-
     def act(self, obs: Any, deterministic: bool = False) -> dict[str, th.Tensor]:
         """What the policy's ``forward`` draws: ``actions`` (what SB3 stores in its buffer) and
         ``log_probs``, and ``env_actions`` (Box spaces: what SB3 sends to the envs)."""
@@ -129,12 +123,7 @@ class ActorCriticDeployable(_Deployable):
             with th.no_grad():
                 return self.act(obs, deterministic)
         policy = self.policy
-        forward = self.__dict__.get("_mlp_forward")
-        if forward is None:
-            forward = self.__dict__["_mlp_forward"] = _MlpForward.of(policy) or _generic_forward(policy)
-        # SB3's policy.device looks through the parameters on every call: 7 µs of act() on 8 envs.
-        device = forward.device if type(forward) is _MlpForward else policy.device
-        actions, log_probs = forward(policy, _to_device(obs, device), deterministic)
+        actions, log_probs = _generic_forward(policy)(policy, _to_device(obs, policy.device), deterministic)
         out = {"actions": actions, "log_probs": log_probs}
         if self._box:
             low, high = self._low.to(actions.device), self._high.to(actions.device)
@@ -143,6 +132,11 @@ class ActorCriticDeployable(_Deployable):
             else:
                 out["env_actions"] = th.clamp(actions, low, high)
         return {key: value.cpu() for key, value in out.items()}
+
+    def numpy_actor(self, rng: np.random.Generator) -> Callable[..., dict[str, np.ndarray]] | None:
+        """For SB3's ``MlpPolicy`` on the CPU, :meth:`act` in numpy on numpy observations, drawing
+        from ``rng`` (see :class:`_NumpyMlpActor`); ``None`` for other policies. Workers use it."""
+        return _NumpyMlpActor.of(self.policy, rng)
 
     @th.no_grad()
     def action_dist(self, obs: Any) -> tuple:
@@ -187,19 +181,24 @@ def _own_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tu
 # float32, as torch rounds the Python float it subtracts from a float32 tensor.
 _LOG_SQRT_2PI = np.float32(math.log(math.sqrt(2 * math.pi)))
 
-# Activation modules whose forward is one torch function.
-_ACTIVATIONS = {th.nn.Tanh: th.tanh, th.nn.ReLU: th.relu}
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0, out=x)
 
 
-def _mlp_layers(network: th.nn.Module) -> list | None:
-    """``network`` (an ``nn.Sequential`` of ``Linear`` layers and Tanh/ReLU) as its layers'
-    parameters and functions, or ``None`` for anything else."""
+# Activation modules and what they compute.
+_ACTIVATIONS = {th.nn.Tanh: np.tanh, th.nn.ReLU: _relu}
+
+
+def _numpy_layers(network: th.nn.Module) -> list | None:
+    """``network`` (an ``nn.Sequential`` of ``Linear`` layers and Tanh/ReLU) as numpy views of its
+    parameters (``(weight.T, bias)``) and activation functions, or ``None`` for anything else."""
     if not isinstance(network, th.nn.Sequential):
         return None
     layers = []
     for module in network:
         if type(module) is th.nn.Linear:
-            layers.append((module.weight, module.bias))
+            layers.append(_linear_views(module))
         elif type(module) in _ACTIVATIONS and not getattr(module, "inplace", False):
             layers.append(_ACTIVATIONS[type(module)])
         else:
@@ -207,57 +206,45 @@ def _mlp_layers(network: th.nn.Module) -> list | None:
     return layers
 
 
-def _run_layers(layers: list, x: th.Tensor) -> th.Tensor:
-    for layer in layers:
-        x = th.nn.functional.linear(x, *layer) if type(layer) is tuple else layer(x)
-    return x
+def _linear_views(linear: th.nn.Linear) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy views of a ``Linear``'s weight (transposed) and bias: weights loaded into the module
+    in place show through them."""
+    return linear.weight.detach().numpy().T, linear.bias.detach().numpy()
 
 
-class _MlpForward:
+class _NumpyMlpActor:
     """The actor's half of SB3's ``ActorCriticPolicy.forward`` for an ``MlpPolicy`` (flattened Box
     observations, an ``MlpExtractor`` of Linear/Tanh/ReLU layers, a diagonal Gaussian or
-    categorical distribution), operation for operation and drawing the same random numbers, without
-    SB3's module calls and distribution objects. The parameters are the policy's own (weights load
-    into them in place).
+    categorical distribution) in numpy, over views of the policy's CPU parameters, so weights loaded
+    into them later show through. SB3's operations in float32; numpy rounds matrix products and
+    sums in its own order, so actions and log-probabilities agree with SB3's to float32 precision,
+    not bit for bit; the random draws come from ``rng``.
 
-    :param pi_layers: the policy network's layers and the action net (see :func:`_mlp_layers`)
-    :param log_std: the Gaussian's ``log_std`` parameter, or ``None`` for a categorical
-    :param observation_space: the policy's (a Box)
-    :param normalize_images: the policy's ``normalize_images``
-    :param action_shape: the action space's shape
+    :param pi_layers: the policy network's layers and the action net (see :func:`_numpy_layers`)
+    :param log_std: a view of the Gaussian's ``log_std`` parameter, or ``None`` for a categorical
+    :param policy: the policy, for its spaces and preprocessing
+    :param rng: the generator the actions are drawn from
     """
 
-    def __init__(
-        self,
-        pi_layers: list,
-        log_std: th.nn.Parameter | None,
-        observation_space: spaces.Box,
-        normalize_images: bool,
-        action_shape: tuple,
-    ) -> None:
+    def __init__(self, pi_layers: list, log_std: np.ndarray | None, policy: ActorCriticPolicy, rng: np.random.Generator) -> None:
         self.pi_layers = pi_layers
         self.log_std = log_std
-        # What SB3's preprocess_obs and FlattenExtractor do to a Box observation, decided once: on
-        # 8 observations their checks cost as much as a layer.
-        self.scale_image = normalize_images and is_image_space(observation_space)
+        self.rng = rng
+        # What SB3's preprocess_obs and FlattenExtractor do to a Box observation, decided once.
+        observation_space = policy.observation_space
+        self.scale_image = policy.normalize_images and is_image_space(observation_space)
         self.flatten = len(observation_space.shape) > 1
+        action_space = policy.action_space
         # The actions come out as (batch, n) for a Gaussian, (batch,) for a categorical: reshaped to
         # the space's shape unless that is theirs already.
-        self.action_shape = None if len(action_shape) == (1 if log_std is not None else 0) else (-1, *action_shape)
-        # The Gaussian's std and the terms of its log-probability that depend on log_std only,
-        # computed as SB3 computes them: kept while log_std keeps its version (loading weights
-        # changes it in place, which counts) and the batch its shape. A fifth of act() on 8 envs.
-        self._std_key: tuple | None = None
-        self._std_terms: tuple = ()
-
-    @property
-    def device(self) -> th.device:
-        """Where the parameters are (the action net's weight: the last layer, always a Linear)."""
-        return self.pi_layers[-1][0].device
+        shape = action_space.shape
+        self.action_shape = None if len(shape) == (1 if log_std is not None else 0) else (-1, *shape)
+        # What SB3's collect_rollouts sends to the envs: the actions clipped to the Box.
+        self.bounds = (action_space.low, action_space.high) if isinstance(action_space, spaces.Box) else None
 
     @classmethod
-    def of(cls, policy: ActorCriticPolicy) -> _MlpForward | None:
-        """The lean forward of ``policy``, or ``None`` when it is not a plain ``MlpPolicy``."""
+    def of(cls, policy: ActorCriticPolicy, rng: np.random.Generator) -> _NumpyMlpActor | None:
+        """The numpy actor of ``policy``, or ``None`` when it is not a plain ``MlpPolicy`` on the CPU."""
         policy_class = type(policy)
         plain = (
             policy_class.forward is ActorCriticPolicy.forward
@@ -269,45 +256,54 @@ class _MlpForward:
             and type(policy.mlp_extractor) is MlpExtractor
             and type(policy.action_net) is th.nn.Linear
             and type(policy.action_dist) in (DiagGaussianDistribution, CategoricalDistribution)
+            and not policy.squash_output
+            and all(p.device.type == "cpu" and p.dtype == th.float32 for p in policy.parameters())
         )
         if not plain:
             return None
-        pi_layers = _mlp_layers(policy.mlp_extractor.policy_net)
+        pi_layers = _numpy_layers(policy.mlp_extractor.policy_net)
         if pi_layers is None:
             return None
-        pi_layers.append((policy.action_net.weight, policy.action_net.bias))
-        log_std = policy.log_std if type(policy.action_dist) is DiagGaussianDistribution else None
-        return cls(pi_layers, log_std, policy.observation_space, policy.normalize_images, policy.action_space.shape)
+        pi_layers.append(_linear_views(policy.action_net))
+        log_std = policy.log_std.detach().numpy() if type(policy.action_dist) is DiagGaussianDistribution else None
+        return cls(pi_layers, log_std, policy, rng)
 
-    def __call__(self, policy: ActorCriticPolicy, obs: th.Tensor, deterministic: bool) -> tuple:
-        features = obs.float() / 255.0 if self.scale_image else obs.float()
-        out = _run_layers(self.pi_layers, features.flatten(1) if self.flatten else features)
-        log_std = self.log_std
-        if log_std is not None:
-            # torch's Normal(mean, std): sample() is torch.normal, log_prob its closed form; SB3 sums
-            # the log-probabilities over the action dimensions.
-            key = (log_std._version, out.shape, out.device)
-            if key != self._std_key:
-                std = (th.ones_like(out) * log_std.exp()).detach()
-                self._std_terms, self._std_key = (std, (2 * std**2).cpu().numpy(), std.log().cpu().numpy()), key
-            std, twice_variance, log_of_std = self._std_terms
-            actions = out if deterministic else th.normal(out, std)
-            # The element-wise terms in numpy, a few times cheaper than torch's per-operation cost on
-            # so few numbers and rounded alike (each operation is IEEE float32); the sum stays torch's,
-            # whose order of additions numpy's would not follow.
-            mean, drawn = out.cpu().numpy(), actions.cpu().numpy()
-            terms = -np.square(drawn - mean) / twice_variance - log_of_std - _LOG_SQRT_2PI
-            log_probs = th.from_numpy(terms).to(out.device).sum(dim=1)
+    def __call__(self, obs: np.ndarray, deterministic: bool = False) -> dict[str, np.ndarray]:
+        """``actions``, ``log_probs`` and, for a Box, ``env_actions``, as :meth:`ActorCriticDeployable.act`."""
+        x = np.asarray(obs, dtype=np.float32)
+        if self.scale_image:
+            x = x / np.float32(255.0)
+        if self.flatten:
+            x = x.reshape(len(x), -1)
+        for layer in self.pi_layers:
+            x = x @ layer[0] + layer[1] if type(layer) is tuple else layer(x)
+        if self.log_std is not None:
+            # torch's Normal(mean, std): mean + std * a standard normal draw; SB3 sums the
+            # log-probabilities over the action dimensions.
+            log_std = self.log_std
+            std = np.exp(log_std)
+            actions = x if deterministic else x + std * self.rng.standard_normal(x.shape, dtype=np.float32)
+            terms = -np.square(actions - x) / (2 * np.square(std)) - log_std - _LOG_SQRT_2PI
+            log_probs = terms.sum(axis=1, dtype=np.float32)
         else:
-            # torch's Categorical(logits=out): normalized logits, softmax probabilities, multinomial draws.
-            logits = out - out.logsumexp(dim=-1, keepdim=True)
-            probs = th.nn.functional.softmax(logits, dim=-1)
+            # torch's Categorical(logits=x): normalized logits, softmax probabilities, one draw per row
+            # by the inverse of the cumulative distribution.
+            shifted = x - x.max(axis=1, keepdims=True)
+            logits = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+            probs = np.exp(logits)
             if deterministic:
-                actions = th.argmax(probs, dim=1)
+                actions = probs.argmax(axis=1)
             else:
-                actions = th.multinomial(probs, 1, True).T.reshape(probs.shape[:-1])
-            log_probs = logits.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        return (actions if self.action_shape is None else actions.reshape(self.action_shape)), log_probs
+                cumulative = np.cumsum(probs, axis=1, dtype=np.float64)
+                uniform = self.rng.random((len(x), 1)) * cumulative[:, -1:]
+                actions = (uniform >= cumulative[:, :-1]).sum(axis=1)
+            log_probs = logits[np.arange(len(x)), actions]
+        if self.action_shape is not None:
+            actions = actions.reshape(self.action_shape)
+        out = {"actions": actions, "log_probs": log_probs}
+        if self.bounds is not None:
+            out["env_actions"] = np.clip(actions, *self.bounds)
+        return out
 
 
 class QNetworkDeployable(_Deployable):

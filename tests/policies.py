@@ -64,6 +64,29 @@ class BernoulliPolicy(torch.nn.Module):
         return ("bernoulli", self.linear(obs))
 
 
+class NumpyLinearPolicy(LinearPolicy):
+    """:class:`LinearPolicy` sampling, with a numpy actor that samples from the worker's generator;
+    its torch ``act`` marks its actions (-1), so a rollout shows which one ran."""
+
+    def __init__(self) -> None:
+        super().__init__(greedy=False)
+
+    def act(self, obs):
+        out = super().act(obs)
+        return {**out, "actions": torch.full_like(out["actions"], -1)}
+
+    def numpy_actor(self, rng):
+        weight, bias = self.linear.weight.detach().numpy(), self.linear.bias.detach().numpy()
+
+        def act(obs):
+            logits = obs.astype(np.float32) @ weight.T + bias
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            actions = (rng.random(len(obs)) * probs.sum(-1) >= probs[:, 0]).astype(np.int64)
+            return {"actions": actions, "log_probs": np.log(probs[np.arange(len(obs)), actions] / probs.sum(-1))}
+
+        return act
+
+
 def reference_rollout(policy, seeds, n_steps):
     """The rollout a pool must collect, stepped sequentially in this process (same_step autoreset)."""
     envs = [gym.make("CartPole-v1") for _ in seeds]

@@ -34,6 +34,7 @@ from tests.policies import (  # noqa: E402
     BernoulliPolicy,
     ConstantPolicy,
     LinearPolicy,
+    NumpyLinearPolicy,
     assert_rollout_matches,
     reference_rollout,
 )
@@ -501,6 +502,31 @@ def test_sampling_rollouts_are_reproducible_with_a_seed():
     np.testing.assert_array_equal(a1, a2)
     np.testing.assert_array_equal(l1, l2)
     assert 0 < a1.mean() < 1
+
+
+def test_a_policys_numpy_actor_acts_on_the_workers_with_the_loaded_weights_and_a_seeded_generator():
+    def collect(seed):
+        with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
+            pool.reset(seeds=[0, 1, 2, 3])
+            policy = NumpyLinearPolicy()
+            with torch.no_grad():
+                policy.linear.weight.zero_()
+                policy.linear.bias.zero_()
+            actors = pool.deploy(policy, seed=seed)
+            even = actors.rollout(200)  # zero weights: each action a coin flip
+            with torch.no_grad():
+                policy.linear.bias.copy_(torch.tensor([0.0, 50.0]))
+            actors.publish_weights(policy)
+            always_right = actors.rollout(20)
+            return even.actions.copy(), even.log_probs.copy(), always_right.actions.copy()
+
+    actions, log_probs, always_right = collect(7)
+    assert 0.4 < actions.mean() < 0.6  # never the torch act's -1
+    np.testing.assert_allclose(log_probs, np.log(0.5), rtol=1e-6)
+    assert (always_right == 1).all()  # the weights published later show through the numpy actor
+    again = collect(7)
+    np.testing.assert_array_equal(actions, again[0])
+    assert not np.array_equal(actions, collect(-7)[0])  # negative seeds (torch takes them) work too
 
 
 def test_a_seed_torch_would_refuse_on_some_worker_is_refused_before_anything_is_sent():

@@ -24,10 +24,10 @@ from stable_baselines3.common.policies import ActorCriticPolicy  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
 import clusterenv_sb3  # noqa: E402
-from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
 from clusterenv_core import ClusterEnvError  # noqa: E402
 from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
-from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _MlpForward, make_deployable  # noqa: E402
+from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
+from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _NumpyMlpActor, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
 
 AAPS_KEYS = {
@@ -257,6 +257,19 @@ def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
         th.testing.assert_close(dist[1], sb3_dist.distribution.logits)
 
 
+def _sb3_log_probs(policy: ActorCriticPolicy, obs: np.ndarray, actions: np.ndarray) -> np.ndarray:
+    """SB3's log-probabilities of ``actions`` at ``obs``."""
+    with th.no_grad():
+        distribution = policy.get_distribution(th.as_tensor(obs))
+        flat = th.as_tensor(actions).reshape(len(obs), -1) if isinstance(policy.action_space, spaces.Box) else th.as_tensor(actions)
+        return distribution.log_prob(flat).numpy()
+
+
+def _sb3_deterministic(policy: ActorCriticPolicy, obs: np.ndarray) -> np.ndarray:
+    with th.no_grad():
+        return policy(th.as_tensor(obs), deterministic=True)[0].numpy()
+
+
 @pytest.mark.parametrize(
     "action_space, policy_kwargs",
     [
@@ -267,33 +280,43 @@ def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
     ],
     ids=["discrete", "gaussian", "relu-unshared", "uneven-nets"],
 )
-def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwargs):
-    """The shipped copy runs _MlpForward: the same actions and log-probs as SB3's forward, exactly,
-    for the same seed, also with weights loaded into it after shipping."""
-    policy = _ppo_policy(action_space, **policy_kwargs)
-    obs = th.rand(8, 3) * 2 - 1
-    learner = ActorCriticDeployable(policy)
-    learner.act(obs)  # its lean forward holds the learner's parameters: never copied along
-    copied = learner.deployable_copy()
-    assert "_mlp_forward" in learner.__dict__ and "_mlp_forward" not in copied.__dict__
-    shipped = pickle.loads(cloudpickle.dumps(copied))
-    shipped.act(obs)
-    assert isinstance(shipped.__dict__["_mlp_forward"], _MlpForward)
+def test_numpy_actor_draws_from_sb3s_distribution(action_space, policy_kwargs):
+    """The shipped copy's numpy actor: SB3's deterministic actions and log-probabilities to float32
+    precision, draws distributed as SB3's, reproducible from the generator's seed, and weights
+    loaded into the copy after shipping show through."""
+    policy = _ppo_policy(action_space, log_std_init=-0.5, **policy_kwargs)
+    shipped = pickle.loads(cloudpickle.dumps(ActorCriticDeployable(policy).deployable_copy()))
+    actor = shipped.numpy_actor(np.random.default_rng(0))
+    assert isinstance(actor, _NumpyMlpActor)
     with th.no_grad():
         for parameter in policy.parameters():
             parameter.add_(th.randn_like(parameter) * 0.3)  # training moved the learner's weights
     load_weights(shipped, flatten_weights(ActorCriticDeployable(policy)))
-    for seed in range(3):
-        for deterministic in (False, True):
-            for batch in (obs, obs[:5]):  # what it keeps between calls follows the weights and the batch
-                th.manual_seed(seed)
-                out = shipped.act(batch, deterministic=deterministic)
-                th.manual_seed(seed)
-                with th.no_grad():
-                    actions, _, log_probs = policy(batch, deterministic=deterministic)
-                assert th.equal(out["actions"], actions)
-                assert th.equal(out["log_probs"], log_probs)
-    assert "_mlp_forward" not in pickle.loads(cloudpickle.dumps(shipped)).__dict__
+    obs = np.random.default_rng(1).uniform(-1, 1, (8, 3)).astype(np.float32)
+
+    deterministic = actor(obs, deterministic=True)
+    sb3_actions = _sb3_deterministic(policy, obs)
+    if isinstance(action_space, spaces.Discrete):
+        np.testing.assert_array_equal(deterministic["actions"], sb3_actions)
+    else:
+        np.testing.assert_allclose(deterministic["actions"], sb3_actions, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(deterministic["env_actions"], np.clip(deterministic["actions"], -1.0, 1.0))
+    out = actor(obs)
+    assert out["actions"].shape == sb3_actions.shape and out["log_probs"].dtype == np.float32
+    np.testing.assert_allclose(out["log_probs"], _sb3_log_probs(policy, obs, out["actions"]), rtol=1e-5, atol=1e-5)
+    again = shipped.numpy_actor(np.random.default_rng(0))(obs)
+    np.testing.assert_array_equal(again["actions"], out["actions"])
+
+    # 20,000 draws at one observation follow SB3's distribution.
+    many = actor(np.repeat(obs[:1], 20_000, axis=0))["actions"]
+    with th.no_grad():
+        distribution = policy.get_distribution(th.as_tensor(obs[:1])).distribution
+    if isinstance(action_space, spaces.Discrete):
+        frequencies = np.bincount(many, minlength=action_space.n) / len(many)
+        np.testing.assert_allclose(frequencies, distribution.probs[0].numpy(), atol=0.015)
+    else:
+        np.testing.assert_allclose(many.mean(0), distribution.mean[0].numpy(), atol=0.02)
+        np.testing.assert_allclose(many.std(0), distribution.stddev[0].numpy(), rtol=0.03)
 
 
 @pytest.mark.parametrize(
@@ -305,24 +328,19 @@ def test_lean_mlp_forward_is_sb3s_forward_bit_for_bit(action_space, policy_kwarg
     ],
     ids=["matrix-obs-scalar-action", "image-obs-matrix-action", "wide-action"],
 )
-def test_lean_mlp_forward_follows_the_shapes_and_preprocessing_of_sb3s_forward(observation_space, action_space):
-    """Observations SB3 flattens or scales as images, actions it reshapes: the lean forward's
-    shortcuts (decided once per policy) give SB3's actions and log-probs, exactly."""
+def test_numpy_actor_follows_the_shapes_and_preprocessing_of_sb3s_forward(observation_space, action_space):
+    """Observations SB3 flattens or scales as images, actions it reshapes: the numpy actor's
+    shortcuts (decided once per policy) give SB3's shapes, actions and log-probabilities."""
     policy = ActorCriticPolicy(observation_space, action_space, lambda _: 3e-4, log_std_init=-0.7)
-    shipped = ActorCriticDeployable(policy).deployable_copy()
+    actor = ActorCriticDeployable(policy).deployable_copy().numpy_actor(np.random.default_rng(0))
+    assert isinstance(actor, _NumpyMlpActor)
     for seed in range(4):
         observation_space.seed(seed)
-        obs = th.as_tensor(np.stack([observation_space.sample() for _ in range(7)]))
-        for deterministic in (False, True):
-            th.manual_seed(seed)
-            with th.inference_mode():  # as on a worker
-                out = shipped.act(obs, deterministic=deterministic)
-            th.manual_seed(seed)
-            with th.no_grad():
-                actions, _, log_probs = policy(obs, deterministic=deterministic)
-            assert out["actions"].shape == actions.shape == (7, *action_space.shape)
-            assert th.equal(out["actions"], actions) and th.equal(out["log_probs"], log_probs)
-    assert isinstance(shipped.__dict__["_mlp_forward"], _MlpForward)
+        obs = np.stack([observation_space.sample() for _ in range(7)])
+        out = actor(obs)
+        assert out["actions"].shape == out["env_actions"].shape == (7, *action_space.shape)
+        np.testing.assert_allclose(out["log_probs"], _sb3_log_probs(policy, obs, out["actions"]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(actor(obs, deterministic=True)["actions"], _sb3_deterministic(policy, obs), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("share_features_extractor", [True, False])
@@ -358,14 +376,16 @@ def test_other_policies_draw_what_sb3s_forward_draws_without_running_the_critic(
 
 
 def test_policies_other_than_plain_mlp_keep_sb3s_forward():
-    assert _MlpForward.of(_ppo_policy(spaces.MultiDiscrete([2, 3]))) is None
-    assert _MlpForward.of(_ppo_policy(spaces.Discrete(2), activation_fn=th.nn.ELU)) is None
+    rng = np.random.default_rng(0)
+    others = [_ppo_policy(spaces.MultiDiscrete([2, 3])), _ppo_policy(spaces.Discrete(2), activation_fn=th.nn.ELU)]
     image_space = spaces.Box(0, 255, (1, 64, 64), np.uint8)
-    cnn = sb3.common.policies.ActorCriticCnnPolicy(image_space, spaces.Discrete(2), lambda _: 3e-4)
-    assert _MlpForward.of(cnn) is None
+    others.append(sb3.common.policies.ActorCriticCnnPolicy(image_space, spaces.Discrete(2), lambda _: 3e-4))
     hooked = _ppo_policy(spaces.Discrete(2))
     hooked.mlp_extractor.policy_net.register_forward_hook(lambda *args: None)
-    assert _MlpForward.of(hooked) is None
+    others.append(hooked)
+    others.append(_ppo_policy(spaces.Discrete(2)).double())  # float64 weights: numpy would compute in float32
+    for policy in others:
+        assert ActorCriticDeployable(policy).numpy_actor(rng) is None
 
 
 def test_deployed_copy_has_no_optimizer_and_survives_training_state():
@@ -455,7 +475,9 @@ def test_stale_segments_are_weighted_to_the_learners_policy(algorithm):
     advantages weighted by pi_learner / pi_workers, truncated at max_behaviour_weight (1.1 here)."""
     env = _cluster_env("CartPole-v1")
     try:
-        model = algorithm("MlpPolicy", env, seed=0, device="cpu", n_steps=32, max_behaviour_weight=1.1)
+        model = algorithm(
+            "MlpPolicy", env, seed=0, device="cpu", n_steps=32, max_behaviour_weight=1.1, learning_rate=3e-3
+        )
         _, cb = model._setup_learn(10**6, None)
         model.configure_sync(mode="never")
         deployed = model.policy_sync.deployed.policy
