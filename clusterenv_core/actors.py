@@ -34,7 +34,7 @@ class WorkerActors:
 
     :param pool: the pool whose workers get the policy
     :param policy: a deployable module (``act`` and ``action_dist``, see :mod:`clusterenv_core.inference`)
-    :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
+    :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
     :raises ValueError: the spaces have no buffers, or the action space is not one array, or the
         policy cannot be pickled, or ``seed + w`` is no torch seed for some worker ``w``
     :raises TypeError: the policy lacks ``act`` or ``action_dist``, or ``seed`` is no int

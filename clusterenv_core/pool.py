@@ -473,7 +473,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         that fails once sent to the workers leaves none (:attr:`actors` is ``None``, and the previous
         ``WorkerActors`` refuse to act), so no rollout mixes two policies.
 
-        :param seed: worker ``w`` seeds its torch generator (action sampling) with ``seed + w``
+        :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
         :raises ValueError: a worker runs in the learner's process (the local backend's ``inline_worker``),
             or ``seed + w`` is no torch seed for some worker ``w`` (see :class:`~clusterenv_core.actors.WorkerActors`
             for the rest)

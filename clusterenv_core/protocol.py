@@ -136,7 +136,7 @@ class Deploy(Request):
     policy: bytes
     weights_handle: Any
     count: int  # number of weights
-    seed: int | None  # of the worker's torch generator
+    seed: int | None  # of the worker's torch and numpy generators
     deliver: bool  # the weights follow as arrays
 
 
