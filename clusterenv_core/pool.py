@@ -205,6 +205,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         )
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
+        transport.worker_modules = tuple(protocol.modules_named([data for block in pickled_blocks for data in block]))
         try:
             transport.start(num_workers, timeout)
             start_timeout = max(timeout, START_TIMEOUT)

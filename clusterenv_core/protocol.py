@@ -317,3 +317,25 @@ def dumps_code(obj: Any) -> bytes:
     if script is not None and script.__name__ == "__mp_main__":
         cloudpickle.register_pickle_by_value(script)
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# Modules every process has (or that a pickle names for its own machinery): nothing to import ahead.
+_NOT_WORTH_IMPORTING = {"__main__", "__mp_main__", "builtins", "copyreg", "_codecs", "cloudpickle"}
+
+
+def modules_named(pickles: list[bytes]) -> list[str]:
+    """The modules that unpickling ``pickles`` imports, as far as this process knows them: the
+    pickles' strings that name a module this process has imported (a class or function pickled by
+    reference names its module that way)."""
+    import pickletools
+
+    named: dict[str, None] = {}  # ordered: imports run in the order the pickles name them
+    for data in pickles:
+        for opcode, argument, _ in pickletools.genops(data):
+            if opcode.name == "GLOBAL":
+                argument = argument.split(" ")[0]
+            elif not isinstance(argument, str) or "UNICODE" not in opcode.name:
+                continue
+            if argument in sys.modules and argument.split(".")[0] not in _NOT_WORTH_IMPORTING:
+                named[argument] = None
+    return list(named)

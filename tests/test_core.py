@@ -9,6 +9,7 @@ import time
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 from gymnasium import spaces
 
@@ -130,6 +131,12 @@ def test_call_get_set_attr_order_and_indices():
 
 
 def test_workers_import_torch_only_if_env_does():
+    from stable_baselines3.common.monitor import Monitor
+
+    # Workers of an SB3 factory import torch (on the local backend, their fork server does).
+    with EnvPool([lambda: Monitor(gym.make("CartPole-v1"))] * 2, num_workers=2) as pool:
+        for pid in pool.worker_pids:
+            assert any("libtorch" in mapping.path for mapping in psutil.Process(pid).memory_maps())
     env_fns = [functools.partial(SpacesEnv, spaces.Discrete(2), spaces.Discrete(2))] * 2
     with EnvPool(env_fns, num_workers=2) as pool:
         assert pool.call("has_module", ["torch"]) == [False, False]

@@ -36,16 +36,13 @@ from tests.envs import (
     UnprintableFailureEnv,
 )
 from tests.interrupts import interrupt_soon
+from tests.leaks import clusterenv_threads, descendants
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
 
 def _wrapped(wrapper, **kwargs):
     return wrapper(gym.make("CartPole-v1"), **kwargs)
-
-
-def _children() -> set[int]:
-    return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
 def _shm_entries() -> set[str]:
@@ -58,12 +55,12 @@ def _shm_entries() -> set[str]:
 @pytest.fixture
 def no_leaks():
     """Every test leaves no child process and no /dev/shm entry behind."""
-    children, shm = _children(), _shm_entries()
+    children, shm = descendants(), _shm_entries()
     yield
     deadline = time.monotonic() + 5
-    while _children() - children and time.monotonic() < deadline:
+    while descendants() - children and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _children() - children == set(), "worker processes left behind"
+    assert descendants() - children == set(), "worker processes left behind"
     assert _shm_entries() - shm == set(), "shared-memory segments left behind"
 
 
@@ -464,7 +461,7 @@ def test_ctrl_c_during_close_kills_the_workers_and_releases_everything(no_leaks,
         env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=60.0, path=str(tmp_path / "never"))] * 2
     else:
         env_fns = [functools.partial(_wrapped, ThreadLeavingEnv, seconds=60.0)] * 2
-    threads = set(threading.enumerate())
+    threads = clusterenv_threads()
     pool = EnvPool(env_fns, num_workers=2, timeout=30.0)
     pool.reset()
     interrupt_soon(1.0)
@@ -473,18 +470,19 @@ def test_ctrl_c_during_close_kills_the_workers_and_releases_everything(no_leaks,
         pool.close()
     assert time.monotonic() - started < 5
     pool.close()  # nothing left to do
-    assert not [thread for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
+    assert not clusterenv_threads() - threads
 
 
 def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_path, monkeypatch):
     # The first Ctrl-C cuts short the wait for the envs to close (60 s); the second lands while
     # close() waits for the first worker it killed, which would leave the other one running.
     env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=60.0, path=str(tmp_path / "never"))] * 2
-    threads = set(threading.enumerate())
+    threads = clusterenv_threads()
     pool = EnvPool(env_fns, num_workers=2, timeout=30.0)
     pool.reset()
     pids = pool.worker_pids
-    wait = subprocess.Popen.wait
+    worker_class = type(pool._transport.processes[0])  # subprocess.Popen, or ForkedWorker from the fork server
+    wait = worker_class.wait
     second_ctrl_c = []
 
     def wait_for_a_killed_worker(process, timeout=None):
@@ -493,7 +491,7 @@ def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_pat
             signal.raise_signal(signal.SIGINT)
         return wait(process, timeout)
 
-    monkeypatch.setattr(subprocess.Popen, "wait", wait_for_a_killed_worker)
+    monkeypatch.setattr(worker_class, "wait", wait_for_a_killed_worker)
     interrupt_soon(1.0)
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -501,7 +499,7 @@ def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_pat
     assert time.monotonic() - started < 5
     assert second_ctrl_c == pids[:1]
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
-    assert not [thread for thread in set(threading.enumerate()) - threads if thread.name.startswith("clusterenv")]
+    assert not clusterenv_threads() - threads
 
 
 def test_ctrl_c_while_close_releases_the_views_still_ends_the_workers(no_leaks, monkeypatch):

@@ -70,6 +70,9 @@ class Transport(ABC):
     exit_hook: Callable[[], None] | None = None
     #: set by the pool that owns the transport: the env indices of each worker (for error messages)
     blocks: tuple[range, ...] = ()
+    #: set by the pool that owns the transport: modules the workers' env factories name, which every
+    #: worker will import (a backend may import them ahead, for all its workers at once)
+    worker_modules: tuple[str, ...] = ()
     #: whether a worker runs inside the learner's process (where a policy copy would set torch's
     #: threads and seed for the learner)
     has_inline_worker: bool = False

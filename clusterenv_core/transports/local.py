@@ -1,8 +1,10 @@
 """The local backend: worker processes on this machine, batch buffers in shared memory.
 
-Each worker is a fresh interpreter (``python -m clusterenv_core.worker local ...``), so it imports
-only what its env factories need and never re-runs the user's ``__main__``. It inherits two file
-descriptors:
+Each worker is a fork of the learner's fork server (:mod:`clusterenv_core.transports.fork_server`),
+a fresh interpreter that imported the installed modules the env factories name, once for all
+workers; or, with ``fork_server=False`` or where forking fails, a fresh interpreter of its own
+(``python -m clusterenv_core.worker local ...``). Either way it imports only what its env factories
+need and never re-runs the user's ``__main__``. It gets two file descriptors:
 
 - one end of an ``AF_UNIX`` socket pair, carrying length-prefixed pickled control messages and the
   step wake-ups and replies. No network port is ever opened, and when either side dies the other
@@ -39,6 +41,7 @@ from clusterenv_core.checks import check_bool, check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, WorkerConnection, ctrl_c_held
+from clusterenv_core.transports.fork_server import ForkedWorker, installed, launch_worker, pidfd_supported
 
 if TYPE_CHECKING:
     from clusterenv_core.transports.inline import InlineWorker
@@ -355,6 +358,9 @@ class LocalTransport(Transport):
     :param inline_worker: run the last worker in the learner's own process instead of a process of
         its own (see :mod:`clusterenv_core.transports.inline`: faster where workers are as many as
         cores, but those envs lose the workers' isolation and timeouts)
+    :param fork_server: fork the workers from a fork server that imported their modules once (see
+        :mod:`clusterenv_core.transports.fork_server`), where the system has pidfds; ``False``:
+        start each worker as a fresh interpreter, which imports them anew
     """
 
     shares_memory = True
@@ -366,6 +372,7 @@ class LocalTransport(Transport):
         worker_spin: float = 5e-4,
         spinning_workers: int | None = None,
         inline_worker: bool = False,
+        fork_server: bool = True,
     ) -> None:
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
@@ -373,7 +380,7 @@ class LocalTransport(Transport):
         self.spinning_workers = (
             max((os.cpu_count() or 1) - 1, 0) if spinning_workers is None else check_int("spinning_workers", spinning_workers, 0)
         )
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen | ForkedWorker] = []
         self.sockets: list[_MessageSocket] = []
         self._stderr = _StderrTails()
         self.memory_fd: int | None = None
@@ -383,6 +390,7 @@ class LocalTransport(Transport):
         self.failed: set[int] = set()
         self.has_inline_worker = check_bool("inline_worker", inline_worker)
         self.inline: InlineWorker | None = None  # with inline_worker, once started: the last worker
+        self.forks_workers = check_bool("fork_server", fork_server) and pidfd_supported()
 
     @property
     def num_workers(self) -> int:
@@ -408,7 +416,7 @@ class LocalTransport(Transport):
         same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
         self._safe_path = ["-P"] if same_python and sys.version_info >= (3, 11) else []
         for worker in range(num_workers - self.has_inline_worker):
-            process, channel = self._launch(worker)
+            process, channel = self._launch(worker, timeout)
             self.processes.append(process)
             self.sockets.append(channel)
         if self.has_inline_worker:
@@ -416,23 +424,14 @@ class LocalTransport(Transport):
 
             self.inline = InlineWorker(self.memory_fd)
 
-    def _launch(self, worker: int) -> tuple[subprocess.Popen, _MessageSocket]:
+    def _launch(self, worker: int, timeout: float) -> tuple[subprocess.Popen | ForkedWorker, _MessageSocket]:
         learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (worker_end.fileno(), self.memory_fd)
-        spin = self.worker_spin if worker < self.spinning_workers else 0.0
-        command = [self.python, *self._safe_path, "-m", "clusterenv_core.worker", "local", *map(str, fds), repr(spin)]
+        spin = repr(self.worker_spin if worker < self.spinning_workers else 0.0)
         stderr = self._stderr.new_pipe(worker)
         try:
-            # A session of its own: processes its envs start share its process group, which close()
-            # ends (and no signal of the learner's terminal reaches it; it ignores Ctrl-C anyway).
-            process = subprocess.Popen(
-                command,
-                pass_fds=fds,
-                stdin=subprocess.DEVNULL,
-                stderr=stderr,
-                env=self._worker_env,
-                start_new_session=True,
-            )
+            process = self._fork(worker_end.fileno(), stderr, spin, timeout) if self.forks_workers else None
+            if process is None:
+                process = self._start_interpreter(worker_end.fileno(), stderr, spin)
         except BaseException:
             learner_end.close()
             raise
@@ -443,6 +442,30 @@ class LocalTransport(Transport):
         # workers do, so the replies it waits for reach it without a wake-up.
         return process, _MessageSocket(learner_end, "the learner", self.worker_spin if self.has_inline_worker else 0.0)
 
+    def _fork(self, socket_fd: int, stderr: int, spin: str, timeout: float) -> ForkedWorker | None:
+        """A worker forked by the fork server, or ``None`` if it failed (a fresh interpreter then
+        serves as well, only slower to start)."""
+        modules = ["clusterenv_core.worker", *installed(self.worker_modules)]
+        fds = [socket_fd, self.memory_fd, 1, stderr]  # fd 1: the learner's stdout now, as a new process inherits it
+        try:
+            return launch_worker([self.python, *self._safe_path], self._worker_env, fds, spin, modules, timeout)
+        except OSError:
+            return None
+
+    def _start_interpreter(self, socket_fd: int, stderr: int, spin: str) -> subprocess.Popen:
+        fds = (socket_fd, self.memory_fd)
+        command = [self.python, *self._safe_path, "-m", "clusterenv_core.worker", "local", *map(str, fds), spin]
+        # A session of its own: processes its envs start share its process group, which close()
+        # ends (and no signal of the learner's terminal reaches it; it ignores Ctrl-C anyway).
+        return subprocess.Popen(
+            command,
+            pass_fds=fds,
+            stdin=subprocess.DEVNULL,
+            stderr=stderr,
+            env=self._worker_env,
+            start_new_session=True,
+        )
+
     def restart(self, worker: int, timeout: float) -> None:
         if self._inline(worker):
             raise NotImplementedError("the inline worker runs in the learner's process and cannot be replaced")
@@ -451,7 +474,7 @@ class LocalTransport(Transport):
         old.wait()
         _end_process_group(old)
         self.sockets[worker].sock.close()
-        self.processes[worker], self.sockets[worker] = self._launch(worker)
+        self.processes[worker], self.sockets[worker] = self._launch(worker, timeout)
         self.failed.discard(worker)
 
     def send(self, worker: int, message: Any) -> None:
@@ -543,7 +566,12 @@ class LocalTransport(Transport):
         process = self.processes[worker]
         try:
             code = process.wait(timeout=1.0)
-            status = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+            if not getattr(process, "status_known", True):
+                status = "ended (its exit status was lost: its fork server was killed)"
+            elif code >= 0:
+                status = f"exited with code {code}"
+            else:
+                status = f"was killed by {signal.Signals(-code).name}"
         except (subprocess.TimeoutExpired, ValueError):
             status = "is unresponsive"
             return WorkerLostError(f"worker {worker} (pid {process.pid}{self.envs_of(worker)}) {status}: {why}")

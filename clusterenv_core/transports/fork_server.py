@@ -1,0 +1,335 @@
+"""The local backend's fork server: a process that imports the workers' modules once and forks workers.
+
+A fresh interpreter for every worker pays for its imports every time: an SB3 env factory
+(``make_vec_env`` wraps each env in SB3's ``Monitor``) makes each worker import SB3 and torch,
+seconds of CPU per worker, and a pool with more workers than cores pays them one after another.
+The fork server is started once per learner process (and interpreter), as a fresh interpreter
+itself, and imports the modules the env factories name (:func:`clusterenv_core.protocol.modules_named`)
+before it forks a worker; a worker forked from it starts with them imported, in milliseconds. The
+server never runs env code, starts no thread and holds nothing of a pool, so a fork of it is a fresh
+worker in all but its imports.
+
+- Its worker processes are its children: it reaps each and sends the exit status to the learner
+  over a socket of that worker's own; the learner also gets a pidfd of each worker, which tells it
+  the worker ended and lets it signal the worker safely.
+- It ends when the learner does (its control socket reads end-of-file), and by itself once it has
+  had no worker for ``IDLE_SECONDS``, so that a learner whose pools are closed keeps no process.
+- It lives in a session of its own, as the workers do (each is made a session leader at once), so
+  Ctrl-C at the learner's terminal reaches neither.
+
+Requests and replies are single messages on a ``SOCK_SEQPACKET`` socket pair, file descriptors
+passed with them (``SCM_RIGHTS``). Run as ``python -m clusterenv_core.transports.fork_server <fd>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import select
+import signal
+import site
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+#: seconds the fork server lingers without a worker before it ends (pools opened one after another,
+#: as in a test suite or an eval env after a training env, reuse it)
+IDLE_SECONDS = 10.0
+#: the name of the thread that reaps a fork server once it ended
+REAPER_THREAD = "clusterenv-fork-server-reaper"
+_STATUS = struct.Struct("<i")
+_MAX_MESSAGE = 1 << 20
+# The request's descriptors, in order: the worker's socket end and memory file (its arguments), and
+# the learner's stdout and the worker's stderr pipe (its standard streams).
+_REQUEST_FDS = 4
+
+
+def pidfd_supported() -> bool:
+    """Whether this system has pidfds (Linux 5.3+), which the learner needs to watch forked workers."""
+    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
+class ForkedWorker:
+    """The learner's handle on a worker process the fork server forked: what the local backend
+    uses of :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``).
+
+    :param pid: the worker's process id
+    :param pidfd: a pidfd of the worker: readable once it ended, and safe to signal however late
+    :param status: the learner's end of the socket the server sends the worker's exit status on
+    """
+
+    def __init__(self, pid: int, pidfd: int, status: socket.socket) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.status = status
+        #: the exit code as :class:`subprocess.Popen` gives it (``-N``: killed by signal ``N``), once ended
+        self.returncode: int | None = None
+        #: ``False`` if the worker ended but its status was lost (the fork server was killed)
+        self.status_known = True
+
+    def poll(self) -> int | None:
+        if self.returncode is None and _readable(self.pidfd, 0.0):
+            self._collect()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not _readable(self.pidfd, timeout):
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            self._collect()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # ended already; its pidfd names no other process
+
+    def _collect(self) -> None:
+        """Read the exit status of the ended worker: the server reaps it and sends it at once."""
+        data = self.status.recv(_STATUS.size) if _readable(self.status.fileno(), 5.0) else b""
+        if len(data) == _STATUS.size:
+            self.returncode = os.waitstatus_to_exitcode(_STATUS.unpack(data)[0])
+        else:
+            self.returncode, self.status_known = 1, False
+        self.status.close()
+        os.close(self.pidfd)
+        self.pidfd = -1
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else timeout * 1000.0))
+
+
+class ForkServer:
+    """The learner's side of one fork server process.
+
+    :param command: how to run the server's interpreter (``python`` and its flags)
+    :param env: the server's environment (the workers get their own with each launch)
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.owner = os.getpid()
+        self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.process = subprocess.Popen(
+                [*command, "-m", "clusterenv_core.transports.fork_server", str(server_end.fileno())],
+                pass_fds=[server_end.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        except BaseException:
+            self.control.close()
+            raise
+        finally:
+            server_end.close()
+        # Reaped when it ends (idle), so that it is never left a zombie of the learner's.
+        threading.Thread(target=self.process.wait, name=REAPER_THREAD, daemon=True).start()
+
+    def usable(self) -> bool:
+        """Whether this server can still fork workers for this process."""
+        return self.owner == os.getpid() and self.process.poll() is None
+
+    def launch(
+        self, fds: Sequence[int], spin: str, env: dict[str, str], modules: Sequence[str], timeout: float
+    ) -> ForkedWorker:
+        """Fork a local worker for the socket end and memory file ``fds[:2]``, its stdout and stderr
+        ``fds[2:]``, after importing ``modules`` in the server (those it can).
+
+        :raises OSError: the server is gone or did not answer within ``timeout`` seconds
+        """
+        request = pickle.dumps((spin, os.getcwd(), env, list(modules)))
+        socket.send_fds(self.control, [request], list(fds))
+        if not _readable(self.control.fileno(), timeout):
+            raise TimeoutError(f"the fork server did not fork a worker within {timeout:g} s")
+        reply, reply_fds, _, _ = socket.recv_fds(self.control, _MAX_MESSAGE, 2)
+        if not reply:
+            raise ConnectionError("the fork server ended")
+        pid = pickle.loads(reply)
+        pidfd, status = reply_fds
+        return ForkedWorker(pid, pidfd, socket.socket(fileno=status))
+
+    def close(self) -> None:
+        """End the server (its workers go on until their own ends)."""
+        self.control.close()
+        self.process.kill()
+
+
+def installed(modules: Sequence[str]) -> list[str]:
+    """Those of ``modules`` (imported in this process) that come from installed packages.
+
+    Only those are worth importing in the server, and only they are safe to: the user's own modules
+    run code of theirs when imported, which may build a pool or start threads (a fork then copies
+    their locks held), and are cheap to import in each worker anyway.
+    """
+    roots = {os.path.realpath(path) for path in (*site.getsitepackages(), site.getusersitepackages())}
+    chosen = []
+    for module in modules:
+        path = getattr(sys.modules.get(module.split(".")[0]), "__file__", None)
+        if path and any(os.path.realpath(path).startswith(root + os.sep) for root in roots):
+            chosen.append(module)
+    return chosen
+
+
+_servers: dict[tuple[str, ...], ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def launch_worker(
+    command: list[str], env: dict[str, str], fds: Sequence[int], spin: str, modules: Sequence[str], timeout: float
+) -> ForkedWorker:
+    """Fork a local worker from this process's fork server for ``command`` and the packages of
+    ``modules`` (started if need be).
+
+    A server that ended since (idle) or fails is replaced once.
+
+    :raises OSError: no server could fork it
+    """
+    # A server per set of packages: workers import only what their factories need, torch only if
+    # they name it, also when an earlier pool's server imported it.
+    key = (*command, *sorted({module.split(".")[0] for module in modules}))
+    with _servers_lock:
+        for attempt in range(2):
+            server = _servers.get(key)
+            if server is None or not server.usable():
+                server = _servers[key] = ForkServer(command, env)
+            try:
+                return server.launch(fds, spin, env, modules, timeout)
+            except OSError:
+                del _servers[key]
+                server.close()
+                if attempt == 1:
+                    raise
+    raise AssertionError("unreachable")
+
+
+# The server program.
+
+
+def _serve(control: socket.socket) -> None:
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the loop through the pipe
+    statuses: dict[int, socket.socket] = {}  # per live worker, the server's end of its status socket
+    imported: set[str] = set()
+    idle_since = time.monotonic()
+    while True:
+        timeout = None if statuses else max(idle_since + IDLE_SECONDS - time.monotonic(), 0.0)
+        readable, _, _ = select.select([control, wake_read], [], [], timeout)
+        if wake_read in readable:
+            try:
+                while os.read(wake_read, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            _reap(statuses)
+            if not statuses:
+                idle_since = time.monotonic()
+        if control in readable:
+            message, fds, _, _ = socket.recv_fds(control, _MAX_MESSAGE, _REQUEST_FDS)
+            if not message:
+                return  # the learner is gone
+            spin, cwd, env, modules = pickle.loads(message)
+            for module in modules:
+                if module not in imported:
+                    imported.add(module)
+                    try:
+                        importlib.import_module(module)
+                    except Exception:
+                        pass  # the worker imports it itself, and reports what fails
+            _fork(control, fds, spin, cwd, env, [control.fileno(), wake_read, wake_write], statuses)
+        elif not readable and not statuses:
+            return  # idle for IDLE_SECONDS
+
+
+def _fork(
+    control: socket.socket,
+    fds: list[int],
+    spin: str,
+    cwd: str,
+    env: dict[str, str],
+    server_fds: list[int],
+    statuses: dict[int, socket.socket],
+) -> None:
+    status_server, status_learner = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in [*server_fds, status_server.fileno(), status_learner.fileno()]:
+                os.close(fd)
+            for status in statuses.values():
+                status.close()
+            _become_worker(fds, spin, cwd, env)
+        finally:
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)  # before the server reaps it, which only its own loop does
+    statuses[pid] = status_server
+    try:
+        socket.send_fds(control, [pickle.dumps(pid)], [pidfd, status_learner.fileno()])
+    finally:
+        os.close(pidfd)
+        status_learner.close()
+
+
+def _become_worker(fds: list[int], spin: str, cwd: str, env: dict[str, str]) -> None:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()  # as the local backend's workers are: what its envs start shares its process group
+    socket_fd, memory_fd, stdout, stderr = fds
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, standard in ((devnull, 0), (stdout, 1), (stderr, 2)):
+        if fd != standard:
+            os.dup2(fd, standard)
+            os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # the legacy global generator: fresh entropy, as a fresh interpreter has
+    from clusterenv_core import worker
+    from clusterenv_core.launch import end_worker_program, run_worker_program
+
+    sys.argv = [worker.__file__, "local", str(socket_fd), str(memory_fd), spin]  # as `python -m` sets it
+    end_worker_program(run_worker_program(sys.argv[1:]))
+
+
+def _reap(statuses: dict[int, socket.socket]) -> None:
+    while statuses:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        channel = statuses.pop(pid, None)
+        if channel is not None:
+            try:
+                channel.send(_STATUS.pack(status))
+            except OSError:
+                pass  # the learner closed it: it no longer watches this worker
+            channel.close()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _serve(socket.socket(fileno=int(sys.argv[1])))
