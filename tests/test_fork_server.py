@@ -18,6 +18,7 @@ import pytest
 from clusterenv_core import EnvPool, WorkerLostError
 from clusterenv_core.transports import fork_server
 from clusterenv_core.transports.fork_server import IDLE_SECONDS, ForkedWorker
+from clusterenv_core.transports.local import _ORPHAN_GRACE
 from tests.compare import assert_same
 
 pytestmark = pytest.mark.skipif(not fork_server.pidfd_supported(), reason="no pidfds on this system")
@@ -148,3 +149,20 @@ def test_the_server_and_its_workers_end_with_a_killed_learner(tmp_path):
     while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in pids if psutil.pid_exists(pid)], "the fork server or workers outlived their learner"
+
+
+def test_workers_serve_on_when_their_server_is_killed():
+    """Workers watch their learner, not their server: a server that is gone ends no pool."""
+    with EnvPool([CARTPOLE] * 2, num_workers=2, timeout=10) as pool:
+        pool.reset()
+        server = _server_of(pool)
+        server.kill()
+        server.wait(5)
+        time.sleep(_ORPHAN_GRACE + 1.0)  # a worker that watched its parent would have ended itself by now
+        pool.step(np.zeros(2, np.int64))
+        assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pool.worker_pids)
+        os.kill(pool.worker_pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerLostError, match=r"worker 0 \(pid \d+, env 0\) ended \(its exit status was lost"):
+            pool.step(np.zeros(2, np.int64))
+    with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:  # the next pool gets a new server
+        assert _server_of(pool).pid != server.pid

@@ -14,6 +14,8 @@ worker in all but its imports.
   the worker ended and lets it signal the worker safely.
 - It ends when the learner does (its control socket reads end-of-file), and by itself once it has
   had no worker for ``IDLE_SECONDS``, so that a learner whose pools are closed keeps no process.
+  Its workers watch the learner, not it (they are given the learner's pid): a server that ends
+  early, or that the learner ends (Ctrl-C while it forked), leaves them serving.
 - It lives in a session of its own, as the workers do (each is made a session leader at once), so
   Ctrl-C at the learner's terminal reaches neither.
 
@@ -153,7 +155,7 @@ class ForkServer:
 
         :raises OSError: the server is gone or did not answer within ``timeout`` seconds
         """
-        request = pickle.dumps((spin, os.getcwd(), env, list(modules)))
+        request = pickle.dumps((spin, os.getpid(), os.getcwd(), env, list(modules)))
         socket.send_fds(self.control, [request], list(fds))
         if not _readable(self.control.fileno(), timeout):
             raise TimeoutError(f"the fork server did not fork a worker within {timeout:g} s")
@@ -210,10 +212,12 @@ def launch_worker(
                 server = _servers[key] = ForkServer(command, env)
             try:
                 return server.launch(fds, spin, env, modules, timeout)
-            except OSError:
+            except BaseException as error:
+                # Its replies may be out of step with the requests now (Ctrl-C while it forked):
+                # it serves no more. Its workers watch their learner, not it, and serve on.
                 del _servers[key]
                 server.close()
-                if attempt == 1:
+                if attempt == 1 or not isinstance(error, OSError):
                     raise
     raise AssertionError("unreachable")
 
@@ -246,7 +250,7 @@ def _serve(control: socket.socket) -> None:
             message, fds, _, _ = socket.recv_fds(control, _MAX_MESSAGE, _REQUEST_FDS)
             if not message:
                 return  # the learner is gone
-            spin, cwd, env, modules = pickle.loads(message)
+            spin, learner, cwd, env, modules = pickle.loads(message)
             for module in modules:
                 if module not in imported:
                     imported.add(module)
@@ -254,7 +258,7 @@ def _serve(control: socket.socket) -> None:
                         importlib.import_module(module)
                     except Exception:
                         pass  # the worker imports it itself, and reports what fails
-            _fork(control, fds, spin, cwd, env, [control.fileno(), wake_read, wake_write], statuses)
+            _fork(control, fds, [spin, str(learner)], cwd, env, [control.fileno(), wake_read, wake_write], statuses)
         elif not readable and not statuses:
             return  # idle for IDLE_SECONDS
 
@@ -262,7 +266,7 @@ def _serve(control: socket.socket) -> None:
 def _fork(
     control: socket.socket,
     fds: list[int],
-    spin: str,
+    arguments: list[str],
     cwd: str,
     env: dict[str, str],
     server_fds: list[int],
@@ -276,7 +280,7 @@ def _fork(
                 os.close(fd)
             for status in statuses.values():
                 status.close()
-            _become_worker(fds, spin, cwd, env)
+            _become_worker(fds, arguments, cwd, env)
         finally:
             os._exit(1)
     for fd in fds:
@@ -290,7 +294,9 @@ def _fork(
         status_learner.close()
 
 
-def _become_worker(fds: list[int], spin: str, cwd: str, env: dict[str, str]) -> None:
+def _become_worker(fds: list[int], arguments: list[str], cwd: str, env: dict[str, str]) -> None:
+    """Turn this fork into a local worker: ``fds`` as in a request, ``arguments`` the worker's own
+    after its descriptors (its spin seconds and its learner's pid)."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()  # as the local backend's workers are: what its envs start shares its process group
@@ -309,7 +315,7 @@ def _become_worker(fds: list[int], spin: str, cwd: str, env: dict[str, str]) -> 
     from clusterenv_core import worker
     from clusterenv_core.launch import end_worker_program, run_worker_program
 
-    sys.argv = [worker.__file__, "local", str(socket_fd), str(memory_fd), spin]  # as `python -m` sets it
+    sys.argv = [worker.__file__, "local", str(socket_fd), str(memory_fd), *arguments]  # as `python -m` sets it
     end_worker_program(run_worker_program(sys.argv[1:]))
 
 

@@ -724,11 +724,21 @@ def _terminate_own_group() -> None:
         os.killpg(0, signal.SIGTERM)
 
 
-def _end_when_orphaned(learner: int) -> None:
-    """Once the ``learner`` process is gone (this worker's parent: it would be reparented), give the
-    worker ``_ORPHAN_GRACE`` seconds to end by itself, then end it and what its envs left running."""
-    while os.getppid() == learner:
-        time.sleep(1.0)
+def _end_when_orphaned(learner: int, forked: bool) -> None:
+    """Once the ``learner`` process is gone, give the worker ``_ORPHAN_GRACE`` seconds to end by
+    itself, then end it and what its envs left running. A fresh worker's parent is the learner: it
+    is gone once the worker is reparented. A forked worker's parent is the fork server, which a
+    learner may end while the worker serves on: it watches the learner through a pidfd."""
+    if not forked:
+        while os.getppid() == learner:
+            time.sleep(1.0)
+    else:
+        try:
+            learner_pidfd = os.pidfd_open(learner)
+        except ProcessLookupError:
+            pass  # gone already
+        else:
+            select.select([learner_pidfd], [], [])  # readable once the learner ended
     time.sleep(_ORPHAN_GRACE)
     try:
         print(f"clusterenv worker: the learner ended {_ORPHAN_GRACE:g} s ago and this worker has not; ending it", file=sys.stderr, flush=True)
@@ -740,9 +750,13 @@ def _end_when_orphaned(learner: int) -> None:
 
 
 def worker_connection(argv: list[str]) -> LocalWorkerConnection:
-    """Build the worker side from the command line ``<socket fd> <memory fd> <spin seconds>``."""
+    """Build the worker side from the command line ``<socket fd> <memory fd> <spin seconds>``, and
+    ``<learner pid>`` for a worker forked by the fork server (a fresh worker's learner is its parent)."""
     # Ctrl-C in a terminal reaches the whole process group; the learner handles it and closes us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_end_when_orphaned, args=(os.getppid(),), name="clusterenv-orphan-watch", daemon=True).start()
-    socket_fd, memory_fd, spin = argv
+    socket_fd, memory_fd, spin, *forked_for = argv
+    learner = int(forked_for[0]) if forked_for else os.getppid()
+    threading.Thread(
+        target=_end_when_orphaned, args=(learner, bool(forked_for)), name="clusterenv-orphan-watch", daemon=True
+    ).start()
     return LocalWorkerConnection(int(socket_fd), int(memory_fd), float(spin))
