@@ -52,6 +52,7 @@ _LIVENESS_INTERVAL = 0.25  # seconds between checks that a silent worker process
 # closes its envs) before it is ended: an env that hangs, or a thread it left running, would keep
 # it forever.
 _ORPHAN_GRACE = 10.0
+_IMPORT_TIMEOUT = 60.0  # at least this long for the fork server to import the workers' modules: slow is not stuck
 
 
 def _frame(message: Any) -> bytes:
@@ -448,7 +449,9 @@ class LocalTransport(Transport):
         modules = ["clusterenv_core.worker", *installed(self.worker_modules)]
         fds = [socket_fd, self.memory_fd, 1, stderr]  # fd 1: the learner's stdout now, as a new process inherits it
         try:
-            return launch_worker([self.python, *self._safe_path], self._worker_env, fds, spin, modules, timeout)
+            return launch_worker(
+                [self.python, *self._safe_path], self._worker_env, fds, spin, modules, max(timeout, _IMPORT_TIMEOUT)
+            )
         except OSError:
             return None
 
