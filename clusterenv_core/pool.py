@@ -205,7 +205,9 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         )
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
-        transport.worker_modules = tuple(protocol.modules_named([data for block in pickled_blocks for data in block]))
+        # Copies of one factory pickle alike: each distinct pickle is read once.
+        distinct_pickles = list(dict.fromkeys(data for block in pickled_blocks for data in block))
+        transport.worker_modules = tuple(protocol.modules_named(distinct_pickles))
         try:
             transport.start(num_workers, timeout)
             start_timeout = max(timeout, START_TIMEOUT)
