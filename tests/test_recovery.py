@@ -307,15 +307,17 @@ def test_a_worker_lost_while_told_the_spaces_dtypes_for_asynchronous_batches_is_
         for _ in range(2):
             batches.send(np.zeros((1, 1), np.float64), batches.recv().env_ids)
         infos: dict[int, list] = {0: [], 1: []}
-        for _ in range(1000):  # env 0's episode ends truncated, its reset step follows, then a step
+        # Env 0's episode ends truncated, its reset step follows, then steps. A replacement forked
+        # from the fork server can return all three before env 1's worker is next scheduled.
+        for _ in range(1000):
             result = batches.recv()
             env = int(result.env_ids[0])
             infos[env].append(result.infos.get(env, {}))
             batches.send(np.zeros((1, 1), np.float64), result.env_ids)
-            if len(infos[0]) == 3:
+            if len(infos[0]) >= 3 and infos[1]:
                 break
         assert pool.restarts == {"envs": 0, "workers": 1} and RESTART_INFO_KEY in infos[0][0]
-        assert [info["dtype"] for info in infos[0][2:]] == ["float32"]  # the replacement reads the space's dtype
+        assert {info["dtype"] for info in infos[0][2:]} == {"float32"}  # the replacement reads the space's dtype
         assert {info["dtype"] for info in infos[1]} == {"float32"}
 
 
