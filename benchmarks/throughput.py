@@ -12,9 +12,12 @@ Vectorizers: SB3's ``DummyVecEnv`` (one process) and ``SubprocVecEnv`` (fork), g
 spawned ranks when mpi4py is installed), EnvPool (native C++ of the same task, where it has it and
 is installed: ``pip install envpool``; its Pong does its own preprocessing), and **ideal**: one
 process per core, each stepping its share of the envs with no coordination at all, the machine's
-limit for these Python envs.
+limit for these Python envs; and **lockstep**: the same processes, each waiting after every step
+until all have stepped (a spin on shared memory, no message): what the barrier of a synchronous
+step costs by itself on this machine, where the cores' speeds differ and vary, before any message,
+copy or adapter. No synchronous vectorizer can beat it here.
 
-Per configuration: env steps/s and the ratios to DummyVecEnv and to ideal; the learner's CPU per
+Per configuration: env steps/s and the ratios to DummyVecEnv, ideal and lockstep; the learner's CPU per
 vector step (µs; for EnvPool it includes its threads); each worker process's busy fraction (CPU
 seconds over wall seconds while stepping), which shows where a synchronous step loses the machine;
 and the construction time (build and first reset). Random actions are drawn before timing. The
@@ -145,7 +148,12 @@ def measure(make_venv: Callable[[], Any], action_space: gym.Space, num_envs: int
     }
 
 
-def _ideal_process(env_fn: Callable, num_envs: int, action_space: gym.Space, seconds: float, barrier, results) -> None:
+def _ideal_process(
+    env_fn: Callable, num_envs: int, action_space: gym.Space, seconds: float, barrier, results, rank: int, step_counts
+) -> None:
+    """Step ``num_envs`` envs for ``seconds``; with ``step_counts`` (lockstep), after each step wait
+    until every process has stepped as often (entry ``rank`` is this one's count, the last entry the
+    step after which all stop, set by process 0 once its time is up)."""
     envs = [env_fn() for _ in range(num_envs)]
     for env in envs:
         env.reset(seed=0)
@@ -164,22 +172,39 @@ def _ideal_process(env_fn: Callable, num_envs: int, action_space: gym.Space, sec
     cpu, steps = _cpu_seconds(os.getpid()), 0
     started = time.perf_counter()
     deadline = started + seconds
-    while time.perf_counter() < deadline:
+    counts = None if step_counts is None else np.frombuffer(step_counts, np.int64)
+    while True:
         step_all(actions[steps % 256])
         steps += 1
+        if counts is None:
+            if time.perf_counter() >= deadline:
+                break
+            continue
+        counts[rank] = steps
+        # Spinning costs nothing here: each process has a core of its own.
+        while counts[:-1].min() < steps and not 0 < counts[-1] < steps:
+            pass
+        if rank == 0 and time.perf_counter() >= deadline:
+            counts[-1] = steps
+        if 0 < counts[-1] <= steps:
+            break
     elapsed = time.perf_counter() - started
     results.put((steps * num_envs / elapsed, (_cpu_seconds(os.getpid()) - cpu) / elapsed))
 
 
-def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float) -> dict:
-    """One process per core, each stepping its share of the envs alone: the sum of their steps/s."""
+def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float, lockstep: bool = False) -> dict:
+    """One process per core, each stepping its share of the envs alone (or in ``lockstep``): the
+    sum of their steps/s."""
     context = multiprocessing.get_context("fork")
     shares = [len(part) for part in np.array_split(np.arange(num_envs), min(CORES, num_envs))]
     barrier, results = context.Barrier(len(shares)), context.Queue()
+    step_counts = context.RawArray("q", len(shares) + 1) if lockstep else None
     started = time.perf_counter()
     processes = [
-        context.Process(target=_ideal_process, args=(env_fn, share, action_space, seconds, barrier, results))
-        for share in shares
+        context.Process(
+            target=_ideal_process, args=(env_fn, share, action_space, seconds, barrier, results, rank, step_counts)
+        )
+        for rank, share in enumerate(shares)
     ]
     for process in processes:
         process.start()
@@ -204,7 +229,7 @@ def _measure_child(workload: str, num_envs: int, name: str, seconds: float, resu
     probe.close()
     make_venv = vectorizers(workload, num_envs)[name]
     if make_venv is None:
-        results.put(measure_ideal(env_fn, action_space, num_envs, seconds))
+        results.put(measure_ideal(env_fn, action_space, num_envs, seconds, lockstep=name == "lockstep"))
     else:
         results.put(measure(make_venv, action_space, num_envs, seconds))
 
@@ -229,11 +254,12 @@ def measure_isolated(context: Any, workload: str, num_envs: int, name: str, seco
             process.kill()
 
 
-def summarize(rows: list[dict], dummy_rows: list[dict], ideal_rows: list[dict] | None) -> dict:
+def summarize(rows: list[dict], dummy_rows: list[dict], ideal_rows: list[dict] | None, lockstep_rows: list[dict] | None) -> dict:
     """Medians over the rounds of one vectorizer; its ratios are taken per round, against that
-    round's DummyVecEnv and ideal, so a round the machine ran slow for everyone cancels out."""
+    round's DummyVecEnv, ideal and lockstep, so a round the machine ran slow for everyone cancels out."""
     ratios = [row["steps_per_s"] / dummy["steps_per_s"] for row, dummy in zip(rows, dummy_rows)]
     of_ideal = [row["steps_per_s"] / ideal["steps_per_s"] for row, ideal in zip(rows, ideal_rows or [])]
+    of_lockstep = [row["steps_per_s"] / lockstep["steps_per_s"] for row, lockstep in zip(rows, lockstep_rows or [])]
     busy = np.median([row["worker_busy"] for row in rows], axis=0).tolist() if rows[0]["worker_busy"] else []
     return {
         "construct_s": float(np.median([row["construct_s"] for row in rows])),
@@ -244,6 +270,7 @@ def summarize(rows: list[dict], dummy_rows: list[dict], ideal_rows: list[dict] |
         "vs_dummy": float(np.median(ratios)),
         "vs_dummy_range": [min(ratios), max(ratios)],
         "vs_ideal": float(np.median(of_ideal)) if of_ideal else float("nan"),
+        "vs_lockstep": float(np.median(of_lockstep)) if of_lockstep else float("nan"),
         "rounds": rows,
     }
 
@@ -265,6 +292,7 @@ def vectorizers(workload: str, num_envs: int) -> dict[str, Callable[[], Any] | N
     if HAVE_ENVPOOL and envpool_task is not None:
         makers["EnvPool (native)"] = lambda: _envpool_vec(envpool_task, num_envs)
     makers["ideal"] = None
+    makers["lockstep"] = None
     return makers
 
 
@@ -312,20 +340,20 @@ def main() -> None:
                         flush=True,
                     )
             for name in names:
-                row = summarize(rounds[name], rounds["DummyVecEnv"], rounds.get("ideal"))
+                row = summarize(rounds[name], rounds["DummyVecEnv"], rounds.get("ideal"), rounds.get("lockstep"))
                 row.update(workload=workload, env=TITLES[workload], num_envs=num_envs, vec_env=name)
                 results.append(row)
 
     print()
-    print("| env | envs | vec env | steps/s | vs Dummy (range) | vs ideal | learner µs/step | workers busy | construct (s) |")
-    print("|---|---:|---|---:|---:|---:|---:|---|---:|")
+    print("| env | envs | vec env | steps/s | vs Dummy (range) | vs ideal | vs lockstep | learner µs/step | workers busy | construct (s) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|")
     for row in results:
         busy = " ".join(f"{b:.0%}" for b in row["worker_busy"]) or "—"
         learner = "—" if np.isnan(row["learner_cpu_us_per_step"]) else f"{row['learner_cpu_us_per_step']:,.0f}"
         low, high = row["vs_dummy_range"]
         print(
             f"| {row['env']} | {row['num_envs']} | {row['vec_env']} | {row['steps_per_s']:,.0f} |"
-            f" {row['vs_dummy']:.2f}x ({low:.2f}–{high:.2f}) | {row['vs_ideal']:.2f} | {learner} | {busy} |"
+            f" {row['vs_dummy']:.2f}x ({low:.2f}–{high:.2f}) | {row['vs_ideal']:.2f} | {row['vs_lockstep']:.2f} | {learner} | {busy} |"
             f" {row['construct_s']:.2f} |"
         )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
