@@ -15,7 +15,7 @@ process per core, each stepping its share of the envs with no coordination at al
 limit for these Python envs; and **lockstep**: the same processes, each waiting after every step
 until all have stepped (a spin on shared memory, no message): what the barrier of a synchronous
 step costs by itself on this machine, where the cores' speeds differ and vary, before any message,
-copy or adapter. No synchronous vectorizer can beat it here.
+copy or adapter: the ceiling of a synchronous step over even blocks here.
 
 Per configuration: env steps/s and the ratios to DummyVecEnv, ideal and lockstep; the learner's CPU per
 vector step (µs; for EnvPool it includes its threads); each worker process's busy fraction (CPU
