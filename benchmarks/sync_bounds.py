@@ -56,7 +56,7 @@ import numpy as np
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from clusterenv_sb3 import ClusterVecEnv
-from throughput import CORES, TITLES, WORKLOADS
+from throughput import CORES, TITLES, WORKLOADS, Lockstep
 
 CHUNK_STEPS = 100
 WARMUP_STEPS = 10
@@ -144,60 +144,6 @@ class BareThreeProcesses:
             process.join(timeout=10)
 
 
-def _lockstep_worker(env_fn: Callable, rows: range, index: int, counts: np.ndarray, actions: list, conn: Any) -> None:
-    envs = [env_fn() for _ in rows]
-    for row, env in zip(rows, envs):
-        env.reset(seed=row)
-    other, done = 1 - index, 0
-    while True:
-        steps = conn.recv()
-        if steps is None:
-            return
-        started = time.perf_counter()
-        for _ in range(steps):
-            for env, action in zip(envs, actions[done % len(actions)][rows.start : rows.stop]):
-                _, _, terminated, truncated, _ = env.step(action)
-                if terminated or truncated:
-                    env.reset()
-            done += 1
-            counts[index] = done
-            while counts[other] < done:  # the barrier: both cores stay busy, so spinning is cheap here
-                pass
-        conn.send(time.perf_counter() - started)
-
-
-class LockstepPair:
-    """Two processes stepping half the envs each, a spin barrier after every step, no learner."""
-
-    def __init__(self, env_fns: list[Callable[[], gym.Env]], actions: list[np.ndarray]) -> None:
-        if CORES != 2:
-            raise ValueError("the lockstep pair is a two-core measurement")
-        self.memory = mmap.mmap(-1, 16)
-        counts = np.frombuffer(self.memory, dtype=np.int64, count=2)
-        context = multiprocessing.get_context("fork")
-        half = len(env_fns) // 2
-        self.pipes, self.processes = [], []
-        for index, rows in enumerate((range(0, half), range(half, len(env_fns)))):
-            mine, theirs = context.Pipe()
-            args = (env_fns[rows.start], rows, index, counts, actions, theirs)
-            process = context.Process(target=_lockstep_worker, args=args, daemon=True)
-            process.start()
-            self.pipes.append(mine)
-            self.processes.append(process)
-
-    def run(self, steps: int) -> float:
-        """Seconds for ``steps`` steps of both halves (the learner sleeps meanwhile)."""
-        for pipe in self.pipes:
-            pipe.send(steps)
-        return max(pipe.recv() for pipe in self.pipes)
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            pipe.send(None)
-        for process in self.processes:
-            process.join(timeout=10)
-
-
 class LearnerStepsABlock:
     """The learner's own block in a ``DummyVecEnv`` beside ClusterEnv workers for the others."""
 
@@ -262,7 +208,7 @@ class UnevenBlocks:
 
 def _chunk(venv: Any, actions: list[np.ndarray], start: int) -> float:
     """Seconds for ``CHUNK_STEPS`` steps of ``venv``, after ``WARMUP_STEPS`` unmeasured ones."""
-    if isinstance(venv, LockstepPair):
+    if isinstance(venv, Lockstep):
         venv.run(WARMUP_STEPS)
         return venv.run(CHUNK_STEPS)
     for step in range(WARMUP_STEPS):
@@ -285,7 +231,7 @@ def measure(
         "ClusterVecEnv": lambda: ClusterVecEnv(env_fns),
         "bare three processes": lambda: BareThreeProcesses(env_fns),
         "learner steps a block": lambda: LearnerStepsABlock(env_fns),
-        "lockstep pair": lambda: LockstepPair(env_fns, actions),
+        "lockstep pair": lambda: Lockstep(env_fns, actions),
     }
     for delay in learner_delays_us:
         makers[f"ClusterVecEnv, learner +{delay:g} µs"] = lambda delay=delay: DelayedClusterVecEnv(env_fns, delay * 1e-6)
@@ -296,7 +242,7 @@ def measure(
     try:
         for name, make in makers.items():
             venvs[name] = make()
-            if not isinstance(venvs[name], LockstepPair):
+            if not isinstance(venvs[name], Lockstep):
                 venvs[name].reset()
         chunks: dict[str, list[float]] = {name: [] for name in venvs}
         order, shuffle = list(venvs), random.Random(0).shuffle

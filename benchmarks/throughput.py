@@ -13,9 +13,10 @@ spawned ranks when mpi4py is installed), EnvPool (native C++ of the same task, w
 is installed: ``pip install envpool``; its Pong does its own preprocessing), and **ideal**: one
 process per core, each stepping its share of the envs with no coordination at all, the machine's
 limit for these Python envs; and **lockstep**: the same processes, each waiting after every step
-until all have stepped (a spin on shared memory, no message): what the barrier of a synchronous
-step costs by itself on this machine, where the cores' speeds differ and vary, before any message,
-copy or adapter: the ceiling of a synchronous step over even blocks here.
+until all have stepped (a spin on shared memory, no message; ``sync_bounds.py``'s "lockstep pair"):
+what the barrier of a synchronous step costs by itself on this machine, where the cores' speeds
+differ and vary, before any message, copy or adapter: the ceiling of a synchronous step over even
+blocks here.
 
 Per configuration: env steps/s and the ratios to DummyVecEnv, ideal and lockstep; the learner's CPU per
 vector step (µs; for EnvPool it includes its threads); each worker process's busy fraction (CPU
@@ -32,6 +33,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import mmap
 import multiprocessing
 import os
 import platform
@@ -148,12 +150,7 @@ def measure(make_venv: Callable[[], Any], action_space: gym.Space, num_envs: int
     }
 
 
-def _ideal_process(
-    env_fn: Callable, num_envs: int, action_space: gym.Space, seconds: float, barrier, results, rank: int, step_counts
-) -> None:
-    """Step ``num_envs`` envs for ``seconds``; with ``step_counts`` (lockstep), after each step wait
-    until every process has stepped as often (entry ``rank`` is this one's count, the last entry the
-    step after which all stop, set by process 0 once its time is up)."""
+def _ideal_process(env_fn: Callable, num_envs: int, action_space: gym.Space, seconds: float, barrier, results) -> None:
     envs = [env_fn() for _ in range(num_envs)]
     for env in envs:
         env.reset(seed=0)
@@ -172,39 +169,75 @@ def _ideal_process(
     cpu, steps = _cpu_seconds(os.getpid()), 0
     started = time.perf_counter()
     deadline = started + seconds
-    counts = None if step_counts is None else np.frombuffer(step_counts, np.int64)
-    while True:
+    while time.perf_counter() < deadline:
         step_all(actions[steps % 256])
         steps += 1
-        if counts is None:
-            if time.perf_counter() >= deadline:
-                break
-            continue
-        counts[rank] = steps
-        # Spinning costs nothing here: each process has a core of its own.
-        while counts[:-1].min() < steps and not 0 < counts[-1] < steps:
-            pass
-        if rank == 0 and time.perf_counter() >= deadline:
-            counts[-1] = steps
-        if 0 < counts[-1] <= steps:
-            break
     elapsed = time.perf_counter() - started
     results.put((steps * num_envs / elapsed, (_cpu_seconds(os.getpid()) - cpu) / elapsed))
 
 
-def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float, lockstep: bool = False) -> dict:
-    """One process per core, each stepping its share of the envs alone (or in ``lockstep``): the
-    sum of their steps/s."""
+def _lockstep_worker(env_fn: Callable, rows: range, index: int, counts: np.ndarray, actions: list, conn: Any) -> None:
+    envs = [env_fn() for _ in rows]
+    for row, env in zip(rows, envs):
+        env.reset(seed=row)
+    done = 0
+    while True:
+        steps = conn.recv()
+        if steps is None:
+            return
+        started = time.perf_counter()
+        for _ in range(steps):
+            for env, action in zip(envs, actions[done % len(actions)][rows.start : rows.stop]):
+                _, _, terminated, truncated, _ = env.step(action)
+                if terminated or truncated:
+                    env.reset()
+            done += 1
+            counts[index] = done
+            while counts.min() < done:  # the barrier: every core stays busy, so spinning is cheap here
+                pass
+        conn.send(time.perf_counter() - started)
+
+
+class Lockstep:
+    """One process per core stepping its share of the envs, a spin barrier after every step, no
+    learner: the ceiling of a synchronous step over even blocks on this machine."""
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]], actions: list[np.ndarray]) -> None:
+        shares = np.array_split(np.arange(len(env_fns)), min(CORES, len(env_fns)))
+        self.memory = mmap.mmap(-1, 8 * len(shares))
+        counts = np.frombuffer(self.memory, dtype=np.int64)
+        context = multiprocessing.get_context("fork")
+        self.pipes, self.processes = [], []
+        for index, rows in enumerate(range(share[0], share[-1] + 1) for share in shares):
+            mine, theirs = context.Pipe()
+            args = (env_fns[rows.start], rows, index, counts, actions, theirs)
+            process = context.Process(target=_lockstep_worker, args=args, daemon=True)
+            process.start()
+            self.pipes.append(mine)
+            self.processes.append(process)
+
+    def run(self, steps: int) -> float:
+        """Seconds for ``steps`` steps of every share (the learner sleeps meanwhile)."""
+        for pipe in self.pipes:
+            pipe.send(steps)
+        return max(pipe.recv() for pipe in self.pipes)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.processes:
+            process.join(timeout=10)
+
+
+def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float) -> dict:
+    """One process per core, each stepping its share of the envs alone: the sum of their steps/s."""
     context = multiprocessing.get_context("fork")
     shares = [len(part) for part in np.array_split(np.arange(num_envs), min(CORES, num_envs))]
     barrier, results = context.Barrier(len(shares)), context.Queue()
-    step_counts = context.RawArray("q", len(shares) + 1) if lockstep else None
     started = time.perf_counter()
     processes = [
-        context.Process(
-            target=_ideal_process, args=(env_fn, share, action_space, seconds, barrier, results, rank, step_counts)
-        )
-        for rank, share in enumerate(shares)
+        context.Process(target=_ideal_process, args=(env_fn, share, action_space, seconds, barrier, results))
+        for share in shares
     ]
     for process in processes:
         process.start()
@@ -220,6 +253,34 @@ def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seco
     }
 
 
+def measure_lockstep(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float) -> dict:
+    """:class:`Lockstep` stepped in chunks of 64 steps for ``seconds`` of its own stepping time."""
+    action_space.seed(0)
+    actions = [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(256)]
+    started = time.perf_counter()
+    lockstep = Lockstep([env_fn] * num_envs, actions)
+    try:
+        lockstep.run(1)  # the first step, after each process built and reset its envs
+        construct = time.perf_counter() - started
+        lockstep.run(20)  # warm-up
+        cpu = [_cpu_seconds(process.pid) for process in lockstep.processes]
+        steps, stepping, started = 0, 0.0, time.perf_counter()
+        while stepping < seconds:
+            stepping += lockstep.run(64)
+            steps += 64
+        elapsed = time.perf_counter() - started
+        busy = [(_cpu_seconds(process.pid) - before) / elapsed for process, before in zip(lockstep.processes, cpu)]
+    finally:
+        lockstep.close()
+    return {
+        "construct_s": construct,
+        "steps_per_s": steps * num_envs / stepping,
+        "step_us": float("nan"),
+        "learner_cpu_us_per_step": float("nan"),
+        "worker_busy": busy,
+    }
+
+
 def _measure_child(workload: str, num_envs: int, name: str, seconds: float, results) -> None:
     # The platform's start method, as in a plain script (a forkserver child inherits "forkserver").
     multiprocessing.set_start_method(None, force=True)
@@ -228,8 +289,10 @@ def _measure_child(workload: str, num_envs: int, name: str, seconds: float, resu
     action_space = probe.action_space
     probe.close()
     make_venv = vectorizers(workload, num_envs)[name]
-    if make_venv is None:
-        results.put(measure_ideal(env_fn, action_space, num_envs, seconds, lockstep=name == "lockstep"))
+    if name == "lockstep":
+        results.put(measure_lockstep(env_fn, action_space, num_envs, seconds))
+    elif make_venv is None:
+        results.put(measure_ideal(env_fn, action_space, num_envs, seconds))
     else:
         results.put(measure(make_venv, action_space, num_envs, seconds))
 
