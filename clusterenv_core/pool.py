@@ -205,9 +205,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         )
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
-        # Copies of one factory pickle alike: each distinct pickle is read once.
-        distinct_pickles = list(dict.fromkeys(data for block in pickled_blocks for data in block))
-        transport.worker_modules = tuple(protocol.modules_named(distinct_pickles))
+        transport.worker_modules = tuple(protocol.modules_named([data for block in pickled_blocks for data in block]))
         try:
             transport.start(num_workers, timeout)
             start_timeout = max(timeout, START_TIMEOUT)

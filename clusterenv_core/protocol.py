@@ -330,7 +330,7 @@ def modules_named(pickles: list[bytes]) -> list[str]:
     import pickletools
 
     named: dict[str, None] = {}  # ordered: imports run in the order the pickles name them
-    for data in pickles:
+    for data in dict.fromkeys(pickles):  # copies of one factory's pickle alike: each read once
         for opcode, argument, _ in pickletools.genops(data):
             if opcode.name == "GLOBAL":
                 argument = argument.split(" ")[0]
