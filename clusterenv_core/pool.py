@@ -996,8 +996,9 @@ def _shutdown(
     :param timeout: the pool's timeout
     :param owner: the process id of the pool's process
 
-    Workers still busy with a request (a stuck step, say) have ``_CLOSE_TIMEOUT`` seconds to answer
-    it, one deadline for all however many are stuck; the workers asked to close then have
+    Workers collecting a rollout segment are asked to close first, and end the segment at their next
+    step. Workers still busy with a request (a stuck step, say) have ``_CLOSE_TIMEOUT`` seconds to
+    answer it, one deadline for all however many are stuck; the workers asked to close then have
     ``timeout`` seconds (at least as long), again one deadline for all, as closing an env may take
     a while (a video recorder finishing its file). Those that do not are killed. Kept apart from the
     pool so that it can run as the pool's finalizer at interpreter exit (which drops what it returns).
@@ -1016,6 +1017,15 @@ def _shutdown(
     first_error = None
     interrupted = False
     try:
+        # Workers collecting a segment are asked first: they end it at their next step instead of
+        # running out the deadline (and being killed, which leaves an MPI process unable to spawn).
+        for worker, request_type in list(awaiting.items()):
+            if request_type is not None and request_type.ENDED_BY_NEXT_REQUEST and worker not in transport.failed:
+                try:
+                    transport.send(worker, protocol.Close())
+                    asked[worker] = time.monotonic()
+                except ClusterEnvError:
+                    awaiting.pop(worker, None)
         for worker in range(transport.num_workers):
             if worker in transport.failed:
                 continue
@@ -1024,10 +1034,12 @@ def _shutdown(
                 # of its rows or arrays waits for them (until the deadline), as in the pool's calls.
                 if worker in awaiting:
                     _read_reply(transport, worker, awaiting.pop(worker), remaining(), reply_arrays.pop(worker, None))
-                transport.send(worker, protocol.Close())
-                asked[worker] = time.monotonic()
+                if worker not in asked:
+                    transport.send(worker, protocol.Close())
+                    asked[worker] = time.monotonic()
             except ClusterEnvError:
                 awaiting.pop(worker, None)
+                asked.pop(worker, None)  # its pending reply never came: no close reply to wait for
         deadline = time.monotonic() + max(timeout, _CLOSE_TIMEOUT)
         for worker, asked_at in asked.items():
             try:

@@ -1,7 +1,8 @@
 """The wire protocol between the learner's pool and its workers, defined once.
 
 The learner sends one message at a time to a worker and reads its reply before the next (the pool
-may leave a reply unread only to read it later, in order). A message is one of the request types
+may leave a reply unread only to read it later, in order; and it asks a worker that is collecting a
+rollout segment to close without waiting for the segment, which the worker then ends early). A message is one of the request types
 below, or the bare :data:`STEP`, which backends send without pickling anything: the action rows
 are already in the shared buffers or travel as one buffer message.
 
@@ -55,6 +56,9 @@ class Request:
     #: answering may mean importing large modules (torch): the pool waits for the reply at least as
     #: long as for a starting worker, whatever its own timeout
     IMPORTS: ClassVar[bool] = False
+    #: a request that comes in while the worker still answers this one ends it early: the reply
+    #: covers what was done so far (the pool sends one only to close, and drops that reply)
+    ENDED_BY_NEXT_REQUEST: ClassVar[bool] = False
 
 
 # Request types. Env positions (``slots``) count from the worker's first env, 0 to block size - 1.
@@ -153,6 +157,7 @@ class Rollout(Request):
 
     REPLY_ROWS: ClassVar[bool] = True  # the observations after the segment
     REPLY_ARRAYS: ClassVar[bool] = True  # the worker's rows of the segment region
+    ENDED_BY_NEXT_REQUEST: ClassVar[bool] = True  # close() waits one step, not a whole segment
 
     n_steps: int
     context: dict

@@ -47,6 +47,10 @@ from clusterenv_core.protocol import ERROR, OK, OK_NONE, PROGRESS, RESTART_INFO_
 from clusterenv_core.spaces import delivered_dtype
 from clusterenv_core.transports.base import WorkerConnection
 
+# How often a worker collecting a segment looks for a request from the learner (a close): a system
+# call or MPI probe, so not after every step of a fast env.
+_REQUEST_LOOK_EVERY = 0.01
+
 
 class RemoteFailure(Exception):
     """Raised inside the worker to report a failure with the env it happened in.
@@ -337,7 +341,16 @@ class EnvBlock:
                 infos[index] = info
         return _parts(infos=infos, obs=pickled_obs)
 
-    def rollout(self, n_steps: int, context: dict, host, arrays, report: Callable[[int], None], report_every: float) -> dict:
+    def rollout(
+        self,
+        n_steps: int,
+        context: dict,
+        host,
+        arrays,
+        report: Callable[[int], None],
+        report_every: float,
+        request_waiting: Callable[[], bool],
+    ) -> dict:
         """Run ``n_steps`` steps of every env, acting with the local policy copy, into ``arrays``
         (a :class:`~clusterenv_core.rollout.RolloutArrays` whose rows start at ``arrays.row0``).
 
@@ -345,9 +358,12 @@ class EnvBlock:
         learner-driven step; returns the seconds the segment took (``"seconds"``) and the
         non-empty step results by step index (``"steps"``, when there are any). ``report(steps)``
         runs after a step when ``report_every`` seconds passed since the start or the last report.
+        The segment ends early, after the step in progress, once ``request_waiting()`` (asked every
+        ``_REQUEST_LOOK_EVERY`` seconds) says the learner sent a request: it only does so to close.
         """
         started = time.perf_counter()
         next_report = time.monotonic() + report_every
+        next_look = time.monotonic() + _REQUEST_LOOK_EVERY
         buffers, rows = self.buffers, self.rows
         segment = slice(arrays.row0, arrays.row0 + len(self.envs))
         (actions,) = buffers.actions  # deploying checked that the action space is one field
@@ -381,9 +397,15 @@ class EnvBlock:
                 arrays.versions[segment, t] = version
                 if parts:
                     steps[t] = parts
-                if t + 1 < n_steps and time.monotonic() >= next_report:
-                    report(t + 1)
-                    next_report = time.monotonic() + report_every
+                if t + 1 < n_steps:
+                    now = time.monotonic()
+                    if now >= next_look:
+                        if request_waiting():
+                            break
+                        next_look = now + _REQUEST_LOOK_EVERY
+                    if now >= next_report:
+                        report(t + 1)
+                        next_report = time.monotonic() + report_every
         finally:
             self.read_action = learner_reader  # learner-driven steps read in the dtypes the learner set
         for kept, now in zip(arrays.last_obs, buffers.obs):
@@ -636,7 +658,9 @@ class Worker:
         def report(steps: int) -> None:
             self.connection.send((PROGRESS, steps))
 
-        result = self.block.rollout(request.n_steps, request.context, self.host, arrays, report, request.report_every)
+        result = self.block.rollout(
+            request.n_steps, request.context, self.host, arrays, report, request.report_every, self.connection.request_waiting
+        )
         mine = slice(arrays.row0, arrays.row0 + len(self.block.envs))
         return result, [array[mine] for array in arrays.all]
 

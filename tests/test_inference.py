@@ -311,6 +311,20 @@ def test_close_unmaps_the_weights_and_segment_regions():
         actors.rollout(8)
 
 
+def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themselves():
+    """A segment started and not waited for (overlapped collection at the end of training), far longer
+    than close() waits for a busy worker: the workers end it at their next step, answer the close
+    request and exit, none killed; the pool's timeout (60 s) plays no part."""
+    with EnvPool([functools.partial(SlowCartPole, 0.01)] * 2, num_workers=2) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.deploy(LinearPolicy()).rollout_async(100_000)  # 1,000 s of stepping
+        time.sleep(0.2)  # the workers are collecting
+        processes = list(pool._transport.processes)
+        started = time.monotonic()
+    assert time.monotonic() - started < pool_module._CLOSE_TIMEOUT
+    assert [process.returncode for process in processes] == [0, 0]
+
+
 def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     # Models keep their WorkerActors, and a caught deploy error its traceback: neither may keep memory.
     from tests.test_failures import buffer_mappings

@@ -203,6 +203,13 @@ class WorkerConnection(ABC):
         such memory."""
         return True
 
+    def request_waiting(self) -> bool:
+        """Whether a request from the learner came in that :meth:`recv` would return without waiting
+        (or the learner is gone, which :meth:`recv` then reports): a worker collecting a rollout
+        segment asks now and then, and ends the segment early if so. ``False`` where the worker
+        never collects one (a worker in the learner's process)."""
+        return False
+
     def send_rows(self) -> None:
         """Send this worker's result rows after a reply (see :mod:`clusterenv_core.protocol`).
         Nothing to do where the buffers are shared."""

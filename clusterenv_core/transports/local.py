@@ -175,6 +175,11 @@ class _MessageSocket:
         """Whether bytes of a message are buffered (the rest follows without waiting for the peer)."""
         return self._end > self._start
 
+    def readable(self) -> bool:
+        """Whether bytes are buffered or have arrived, or the peer closed: :meth:`recv` would not wait
+        for the peer to send anything."""
+        return self._end > self._start or bool(self._poller.poll(0))
+
     def _wait_readable(self, deadline: float, still_alive) -> None:
         while True:
             remaining = deadline - time.monotonic()
@@ -700,6 +705,9 @@ class LocalWorkerConnection(MemoryFileConnection):
 
     def learner_alive(self) -> bool:
         return not self.channel.peer_closed()
+
+    def request_waiting(self) -> bool:
+        return self.channel.readable()
 
     def send(self, message: Any) -> None:
         self._send_frame(_frame(message))

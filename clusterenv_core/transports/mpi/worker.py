@@ -174,6 +174,11 @@ class MPIWorkerConnection(WorkerConnection):
             # Anything else (arrays of an interrupted exchange) is dropped.
 
     @holding_mpi_lock
+    def request_waiting(self) -> bool:
+        # Iprobe, not the matched probe recv() uses: the message stays queued for recv().
+        return self.comm.Iprobe(source=self.learner, tag=TAG_REQUEST)
+
+    @holding_mpi_lock
     def send(self, message: Any) -> None:
         request = self.comm.Isend(dumps(message), dest=self.learner, tag=TAG_REPLY)
         self._ring()
