@@ -23,11 +23,11 @@ QUICK_RUNS = {
     "cleanrl_ppo": ["cleanrl/ppo.py", "--total-timesteps", "2048", "--eval-episodes", "1"],
     "cleanrl_ppo_async": ["cleanrl/ppo_async.py", "--total-timesteps", "4096", "--eval-episodes", "1"],
     "cleanrl_sac_aaps": [
-        "cleanrl/sac_continuous_action_aaps.py", "--total-timesteps", "1200", "--learning-starts", "400", "--sync", "aaps",
+        "cleanrl/sac_continuous_action_aaps.py", "--total-timesteps", "640", "--learning-starts", "320", "--sync", "aaps",
         "--eval-episodes", "1", "--track-dir", "None",
     ],
     "cleanrl_td3_aaps": [
-        "cleanrl/td3_continuous_action_aaps.py", "--total-timesteps", "1200", "--learning-starts", "400", "--sync", "aaps",
+        "cleanrl/td3_continuous_action_aaps.py", "--total-timesteps", "640", "--learning-starts", "320", "--sync", "aaps",
         "--eval-episodes", "1", "--track-dir", "None",
     ],
     "cleanrl_ppo_aaps": [
@@ -50,8 +50,8 @@ QUICK_RUNS = {
         "sb3_ppo_atari.py", "--env-id", "BreakoutNoFrameskip-v4", "--timesteps", "1024", "--n-envs", "4",
         "--eval-episodes", "1",
     ],
-    "sb3_sac_mujoco": ["sb3_sac_mujoco.py", "--timesteps", "800", "--learning-starts", "400", "--eval-episodes", "1"],
-    "cleanrl_ppo_atari": ["cleanrl/ppo_atari.py", "--total-timesteps", "2048", "--num-envs", "4", "--num-steps", "64"],
+    "sb3_sac_mujoco": ["sb3_sac_mujoco.py", "--timesteps", "500", "--learning-starts", "300", "--eval-episodes", "1"],
+    "cleanrl_ppo_atari": ["cleanrl/ppo_atari.py", "--total-timesteps", "512", "--num-envs", "4", "--num-steps", "64"],
     "cleanrl_ppo_continuous_action": ["cleanrl/ppo_continuous_action.py", "--total-timesteps", "4096", "--eval-episodes", "1"],
 }
 
@@ -68,15 +68,15 @@ EXPECTED_OUTPUT = {
     "sb3_ppo_aaps": ["syncs ", "greedy policy, mean return over 10 episodes"],
     "cleanrl_ppo": ["greedy policy, mean return over 1 episodes"],
     "cleanrl_ppo_async": ["trained 4096 steps", "greedy policy, mean return over 1 episodes"],
-    "cleanrl_sac_aaps": ["trained 1200 steps", "syncs ", "deterministic policy, mean return over 1 episodes"],
-    "cleanrl_td3_aaps": ["trained 1200 steps", "syncs ", "deterministic policy, mean return over 1 episodes"],
+    "cleanrl_sac_aaps": ["trained 640 steps", "syncs ", "deterministic policy, mean return over 1 episodes"],
+    "cleanrl_td3_aaps": ["trained 640 steps", "syncs ", "deterministic policy, mean return over 1 episodes"],
     "cleanrl_ppo_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_ppo_aaps_behaviour_ratio": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "cleanrl_dqn": ["greedy policy, mean return over 1 episodes"],
     "cleanrl_dqn_aaps": ["syncs ", "greedy policy, mean return over 1 episodes"],
     "sb3_ppo_atari": ["trained 1024 steps", "mean score over 1 games"],
-    "sb3_sac_mujoco": ["trained 800 steps", "mean return over 1 episodes"],
-    "cleanrl_ppo_atari": ["trained 2048 steps", "mean score of the last"],
+    "sb3_sac_mujoco": ["trained 500 steps", "mean return over 1 episodes"],
+    "cleanrl_ppo_atari": ["trained 512 steps", "mean score of the last"],
     "cleanrl_ppo_continuous_action": ["trained 4096 steps", "deterministic policy, mean return over 1 episodes"],
 }
 
