@@ -2,9 +2,10 @@
 
 The learner sends one message at a time to a worker and reads its reply before the next (the pool
 may leave a reply unread only to read it later, in order; and it asks a worker that is collecting a
-rollout segment to close without waiting for the segment, which the worker then ends early). A message is one of the request types
-below, or the bare :data:`STEP`, which backends send without pickling anything: the action rows
-are already in the shared buffers or travel as one buffer message.
+rollout segment to close without waiting for the segment, which the worker then ends early). A
+message is one of the request types below, or the bare :data:`STEP`, which backends send without
+pickling anything: the action rows are already in the shared buffers or travel as one buffer
+message.
 
 A reply is ``(OK, result)``, ``(ERROR, ErrorDetails)``, or, during a long operation (a rollout
 segment), any number of interim ``(PROGRESS, steps_done)`` before the final one. What else travels

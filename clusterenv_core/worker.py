@@ -398,12 +398,12 @@ class EnvBlock:
                 if parts:
                     steps[t] = parts
                 if t + 1 < n_steps:
-                    now = time.monotonic()
-                    if now >= next_look:
+                    clock = time.monotonic()
+                    if clock >= next_look:
                         if request_waiting():
                             break
-                        next_look = now + _REQUEST_LOOK_EVERY
-                    if now >= next_report:
+                        next_look = clock + _REQUEST_LOOK_EVERY
+                    if clock >= next_report:
                         report(t + 1)
                         next_report = time.monotonic() + report_every
         finally:
