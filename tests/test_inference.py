@@ -407,9 +407,9 @@ def test_an_interrupted_rollout_is_finished_by_the_next_call():
         assert not actors.pending
         started = time.perf_counter()
         actors.rollout_async(4)
-        time.sleep(0.5)  # the learner busy elsewhere: the workers' time does not count it
+        time.sleep(1.0)  # the learner busy elsewhere: the workers' time does not count it
         rollout = actors.rollout_wait()
-        assert 4 * 0.05 <= rollout.collect_seconds < 0.45 < time.perf_counter() - started
+        assert 4 * 0.05 <= rollout.collect_seconds < 0.95 < time.perf_counter() - started
 
 
 @pytest.mark.parametrize("interrupted", ["rollout_wait", "reset"])
