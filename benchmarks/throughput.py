@@ -115,14 +115,24 @@ def _envpool_vec(task: str, num_envs: int) -> Any:
     return envpool.make_gymnasium(task, num_envs=num_envs, batch_size=num_envs, num_threads=CORES, seed=0)
 
 
+def _timed_actions(action_space: gym.Space, num_envs: int) -> list[np.ndarray]:
+    """256 batches of random actions, drawn (seeded) before any timing."""
+    action_space.seed(0)
+    return [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(256)]
+
+
+def _core_shares(num_envs: int) -> list[range]:
+    """The envs of each of one process per core, as even as they split."""
+    return [range(part[0], part[-1] + 1) for part in np.array_split(np.arange(num_envs), min(CORES, num_envs))]
+
+
 def measure(make_venv: Callable[[], Any], action_space: gym.Space, num_envs: int, seconds: float) -> dict:
     """Step the vector env ``make_venv()`` builds with random actions for ``seconds``."""
     started = time.perf_counter()
     venv = make_venv()
     venv.reset()
     construct = time.perf_counter() - started
-    action_space.seed(0)
-    actions = [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(256)]
+    actions = _timed_actions(action_space, num_envs)
     try:
         for i in range(20):  # warm-up
             venv.step(actions[i])
@@ -203,12 +213,12 @@ class Lockstep:
     learner: the ceiling of a synchronous step over even blocks on this machine."""
 
     def __init__(self, env_fns: list[Callable[[], gym.Env]], actions: list[np.ndarray]) -> None:
-        shares = np.array_split(np.arange(len(env_fns)), min(CORES, len(env_fns)))
+        shares = _core_shares(len(env_fns))
         self.memory = mmap.mmap(-1, 8 * len(shares))
         counts = np.frombuffer(self.memory, dtype=np.int64)
         context = multiprocessing.get_context("fork")
         self.pipes, self.processes = [], []
-        for index, rows in enumerate(range(share[0], share[-1] + 1) for share in shares):
+        for index, rows in enumerate(shares):
             mine, theirs = context.Pipe()
             args = (env_fns[rows.start], rows, index, counts, actions, theirs)
             process = context.Process(target=_lockstep_worker, args=args, daemon=True)
@@ -232,7 +242,7 @@ class Lockstep:
 def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float) -> dict:
     """One process per core, each stepping its share of the envs alone: the sum of their steps/s."""
     context = multiprocessing.get_context("fork")
-    shares = [len(part) for part in np.array_split(np.arange(num_envs), min(CORES, num_envs))]
+    shares = [len(share) for share in _core_shares(num_envs)]
     barrier, results = context.Barrier(len(shares)), context.Queue()
     started = time.perf_counter()
     processes = [
@@ -255,8 +265,7 @@ def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seco
 
 def measure_lockstep(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float) -> dict:
     """:class:`Lockstep` stepped in chunks of 64 steps for ``seconds`` of its own stepping time."""
-    action_space.seed(0)
-    actions = [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(256)]
+    actions = _timed_actions(action_space, num_envs)
     started = time.perf_counter()
     lockstep = Lockstep([env_fn] * num_envs, actions)
     try:

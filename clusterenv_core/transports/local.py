@@ -178,7 +178,7 @@ class _MessageSocket:
     def readable(self) -> bool:
         """Whether bytes are buffered or have arrived, or the peer closed: :meth:`recv` would not wait
         for the peer to send anything."""
-        return self._end > self._start or bool(self._poller.poll(0))
+        return self.has_data() or bool(self._poller.poll(0))
 
     def _wait_readable(self, deadline: float, still_alive) -> None:
         while True:
