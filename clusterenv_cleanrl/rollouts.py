@@ -482,6 +482,7 @@ class WorkerRollouts:
         episode_starts = self.next_done.copy()
         start_step = self.global_step
         rollout = self.collect()
+        episode_starts[rollout.restarted_envs] = True  # the new envs of a replaced worker
         self.next_done = _done(rollout)[-1].copy()
         return ppo_batch(rollout, self.policy, gamma, episode_starts, start_step)
 

@@ -20,6 +20,7 @@ from clusterenv_core import protocol
 from clusterenv_core.buffers import field_views, fields_nbytes
 from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import ClusterEnvError, EnvError
+from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
 
 if TYPE_CHECKING:
@@ -65,9 +66,13 @@ class WorkerActors:
             raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
         pool._drain()
         self.pool = pool
+        self._policy_bytes = policy_bytes  # for the replacement of a worker lost during a segment
         self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
         self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
+        self._pending_requests: list[protocol.Rollout] = []  # its request to each worker
         self._pending_timeout = pool.timeout
+        # Why each worker of the pending rollout was replaced, kept until the rollout is returned.
+        self._restart_reasons: dict[int, str] = {}
         #: rollout_wait was interrupted with replies unread
         self.wait_interrupted = False
         transport = pool._transport
@@ -91,25 +96,29 @@ class WorkerActors:
 
     def _deploy(self, policy_bytes: bytes, seed: int | None) -> None:
         """Send the policy and the weights to every worker and wait until each took it."""
-        pool, transport = self.pool, self.pool._transport
-        deliver = not transport.shares_memory
+        pool = self.pool
         # From the first request on, a worker may hold this policy or the previous one: the previous
         # WorkerActors must not act any more (_check_current), and none does until every worker took
         # this one. It has no use for its regions from now on.
         previous, pool.actors = pool.actors, None
         if previous is not None:
             previous.release()
-        count = self.weights.weights.size
         for worker in range(pool.num_workers):
-            worker_seed = None if seed is None else seed + worker
-            pool._send(worker, protocol.Deploy(policy_bytes, self._weights_handle, count, worker_seed, deliver))
-            if deliver:
-                transport.send_arrays(worker, self.weights.arrays)
+            self._send_policy(worker, policy_bytes, None if seed is None else seed + worker)
         took: list[int] = []
         try:
             pool._gather(range(pool.num_workers), "deploying the policy", on_reply=lambda worker, _: took.append(worker))
         except EnvError as error:
             raise _deploy_error(error, took) from None
+
+    def _send_policy(self, worker: int, policy_bytes: bytes, seed: int | None) -> None:
+        """Send the policy and, to a worker that does not share the learner's memory, the weights."""
+        transport = self.pool._transport
+        deliver = not transport.shares_memory
+        request = protocol.Deploy(policy_bytes, self._weights_handle, self.weights.weights.size, seed, deliver)
+        self.pool._send(worker, request)
+        if deliver:
+            transport.send_arrays(worker, self.weights.arrays)
 
     @property
     def num_workers(self) -> int:
@@ -161,12 +170,24 @@ class WorkerActors:
         timeout = pool.timeout if timeout is None else check_seconds("timeout", timeout)
         pool._drain()
         region = self._region(n_steps)
-        for worker, block in enumerate(pool.blocks):
+        requests = [
+            protocol.Rollout(n_steps, dict(context or {}), region.handle, block, pool.num_envs, timeout / 4)
+            for block in pool.blocks
+        ]
+        for worker in range(pool.num_workers):
             self._deliver_weights(worker)
-            request = protocol.Rollout(n_steps, dict(context or {}), region.handle, block, pool.num_envs, timeout / 4)
-            pool._send(worker, request, reply_arrays=[array[block.start : block.stop] for array in region.all])
-        self._pending = region
+            # A worker lost from here on is replaced in rollout_wait (restart_failed_workers), else fatal.
+            self._send_segment_request(worker, region, requests[worker], step=True)
+        self._pending, self._pending_requests = region, requests
         self._pending_timeout = timeout
+        self._restart_reasons = {}
+
+    def _send_segment_request(
+        self, worker: int, region: RolloutArrays, request: protocol.Rollout, step: bool = False
+    ) -> None:
+        block = self.pool.blocks[worker]
+        arrays = [array[block.start : block.stop] for array in region.all]
+        self.pool._send(worker, request, reply_arrays=arrays, step=step)
 
     def rollout_wait(self, timeout: float | None = None) -> Rollout:
         """Wait for the segment started by :meth:`rollout_async`.
@@ -181,13 +202,21 @@ class WorkerActors:
         if region is None:
             raise ClusterEnvError("rollout_wait called without rollout_async")
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
+        restarter = pool._restarter
+        lost = restarter.lost if restarter is not None else {}
         try:
             # With the replies read before Ctrl-C cut an earlier wait for this segment short.
-            results = pool._gather(sorted({*pool._awaiting, *pool._read_replies}), "rollout", timeout=timeout)
+            collecting = sorted({*pool._awaiting, *pool._read_replies}.difference(lost))
+            results = pool._gather(collecting, "rollout", step=True, timeout=timeout)
+            while lost:  # workers lost during the segment (restart_failed_workers): replacements collect their part
+                replacing = sorted(lost)
+                self._restart_reasons.update(restarter.replace_lost_in_segment(self._restart_segment))
+                results.update(pool._gather(replacing, "rollout", step=True, timeout=timeout))
         finally:
-            # Interrupted (Ctrl-C) with replies unread or unreported, the rollout stays pending:
-            # rollout_wait resumes it, and any other call of the pool first finishes it.
-            self.wait_interrupted = bool(pool._awaiting or pool._read_replies)
+            # Interrupted (Ctrl-C) with replies unread or unreported, or a lost worker not replaced
+            # yet, the rollout stays pending: rollout_wait resumes it, and any other call of the pool
+            # first finishes it.
+            self.wait_interrupted = bool(pool._awaiting or pool._read_replies or lost)
             if not self.wait_interrupted:
                 self._pending = None
         n_steps = region.rewards.shape[1]
@@ -199,6 +228,14 @@ class WorkerActors:
                 infos[step].update(parts.get("infos", ()))
                 reset_infos[step].update(parts.get("reset_infos", ()))
                 pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
+        restarted_envs = []
+        for worker, reason in sorted(self._restart_reasons.items()):
+            for index in pool.blocks[worker]:
+                restarted_envs.append(index)
+                info = infos[0].get(index, {})
+                said = reason if RESTART_INFO_KEY not in info else f"{reason}; then {info[RESTART_INFO_KEY]}"
+                infos[0][index] = {**info, RESTART_INFO_KEY: said}
+        self._restart_reasons = {}
         obs_layout, act_layout = pool.buffers.obs_layout, pool.buffers.act_layout
         return Rollout(
             obs=time_major(obs_layout, region.obs),
@@ -214,6 +251,7 @@ class WorkerActors:
             reset_infos=reset_infos,
             collect_seconds=max(result["seconds"] for result in results.values()),
             pickled_final_obs=pickled_final_obs,
+            restarted_envs=restarted_envs,
             _final_obs=[array.swapaxes(0, 1) for array in region.final_obs],
             _obs_layout=obs_layout,
         )
@@ -266,6 +304,17 @@ class WorkerActors:
             return region
         slots.reverse()
         return slots[0]
+
+    def deploy_on_replacement(self, worker: int) -> None:
+        """Give the policy, with the current weights, to a worker that replaced a lost one
+        (``restart_failed_workers``). Its copy samples unseeded, as its envs start unseeded."""
+        self._send_policy(worker, self._policy_bytes, None)
+        self.pool._gather([worker], "deploying the policy on a replaced worker")
+        self._delivered_version[worker] = self.policy_version
+
+    def _restart_segment(self, worker: int) -> None:
+        """Send the pending segment's request to a worker that replaced a lost one."""
+        self._send_segment_request(worker, self._pending, self._pending_requests[worker])
 
     def _deliver_weights(self, worker: int) -> None:
         pool = self.pool

@@ -91,8 +91,9 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         (see :mod:`clusterenv_core.worker`)
     :param restart_failed_envs: replace an env that raises in ``step`` by a new one from its factory
         instead of raising :class:`~clusterenv_core.errors.EnvError`
-    :param restart_failed_workers: replace a worker that dies or times out during a step by a new
-        one (local backend) instead of raising :class:`~clusterenv_core.errors.WorkerLostError`
+    :param restart_failed_workers: replace a worker that dies or times out during a step or a
+        rollout segment by a new one (local backend) instead of raising
+        :class:`~clusterenv_core.errors.WorkerLostError`
     :param max_restarts: how many times one env, or one worker, may be replaced; the next failure
         raises its error
     :param backend_options: keyword arguments of the backend's transport

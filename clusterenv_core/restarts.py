@@ -1,18 +1,21 @@
-"""Replacing workers lost during a step (``restart_failed_workers``), so long runs survive a crash.
+"""Replacing workers lost during a step or a rollout segment (``restart_failed_workers``), so long
+runs survive a crash.
 
 A worker that dies or exceeds the timeout during a step is killed and replaced by a new process
 that rebuilds its block of envs; the interrupted episodes end truncated, with their last
 observation from before the step, and the reason under the info key
-:data:`~clusterenv_core.protocol.RESTART_INFO_KEY`. Only backends that can replace a worker do
-(the local one; MPI is fail-stop). The pool holds one :class:`WorkerRestarts` when restarts are on
-and consults it only when a worker is lost, plus one copy per step of the observations (and, in
-``next_step`` mode, of which envs the step resets).
+:data:`~clusterenv_core.protocol.RESTART_INFO_KEY`. One lost during a segment is replaced likewise,
+and the replacement collects that block's part of the segment anew, from new episodes. Only
+backends that can replace a worker do (the local one; MPI is fail-stop). The pool holds one
+:class:`WorkerRestarts` when restarts are on and consults it only when a worker is lost, plus one
+copy per step of the observations (and, in ``next_step`` mode, of which envs the step resets).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +25,8 @@ from clusterenv_core.protocol import RESTART_INFO_KEY
 
 if TYPE_CHECKING:
     from clusterenv_core.pool import EnvPool
+
+TakeOver = TypeVar("TakeOver")
 
 
 class WorkerRestarts:
@@ -67,22 +72,41 @@ class WorkerRestarts:
     def replace_lost(self) -> dict[int, dict]:
         """Replace every worker lost in this step; returns each one's step result."""
         for worker in sorted(self.lost):
-            self._taken_over[worker] = self._replace(worker, self.lost[worker])
+            self._taken_over[worker] = self._replace(worker, self.lost[worker], self._take_over_step)
             del self.lost[worker]
         results, self._taken_over = self._taken_over, {}
         return results
 
-    def _replace(self, worker: int, error: ClusterEnvError) -> dict:
-        """Start a new worker for a lost one's envs and end their interrupted episodes as truncated.
+    def replace_lost_in_segment(self, start_segment: Callable[[int], None]) -> dict[int, str]:
+        """Replace every worker lost during a rollout segment; returns the reason of each replacement.
 
-        Returns the step result of the block. The episodes' last observations are those from
-        before the step. In ``same_step`` mode the new envs are reset now (unseeded); in
-        ``next_step`` mode they reset at their next step, except those whose step was the reset
-        after an episode end, which reset now and return that step; in ``disabled`` mode the caller
-        resets them.
+        A replacement builds the lost worker's envs, takes the deployed policy and resets the envs
+        (unseeded, as automatic resets do); ``start_segment(worker)`` then sends it the segment's
+        request, so that it collects the block's part of the segment anew, from new episodes. The episodes the lost
+        worker was in end where the previous segment ended, which the learner has bootstrapped as
+        any segment's end; their steps in this segment are dropped with the lost worker.
         """
+
+        def take_over(worker: int, error: ClusterEnvError) -> str:
+            self._rebuild(worker)
+            # The reset's infos are dropped: a segment has no place for those of a reset before its first step.
+            self._reset_replacement(worker, None)
+            start_segment(worker)
+            return self._reason(worker, error)
+
+        reasons = {}
+        for worker in sorted(self.lost):
+            reasons[worker] = self._replace(worker, self.lost[worker], take_over)
+            del self.lost[worker]
+        return reasons
+
+    def _replace(
+        self, worker: int, error: ClusterEnvError, take_over: Callable[[int, ClusterEnvError], TakeOver]
+    ) -> TakeOver:
+        """Start a new worker for a lost one's envs and count it; returns what ``take_over(worker,
+        error)`` returns, which has the new worker take the lost one's place."""
         pool = self.pool
-        pool._awaiting.pop(worker, None)  # a request of an interrupted replacement, whose process goes
+        pool._not_awaiting(worker)  # a request of an interrupted replacement, whose process goes
         try:
             pool._transport.restart(worker, pool.timeout)
         except NotImplementedError:
@@ -92,14 +116,15 @@ class WorkerRestarts:
             self.counts[worker] += 1
             pool.restarts["workers"] += 1
         try:
-            result = self._take_over(worker, error)
+            result = take_over(worker, error)
         except ClusterEnvError as failure:  # e.g. the factories raise now: the pool cannot go on
             raise pool._fail(failure) from error
         self._counted.discard(worker)
         return result
 
-    def _take_over(self, worker: int, error: ClusterEnvError) -> dict:
-        """Build the lost worker's envs on its replacement; returns the block's step result."""
+    def _rebuild(self, worker: int) -> None:
+        """Build the lost worker's envs on its replacement, attach it to the buffers and give it
+        the deployed policy, if there is one."""
         pool = self.pool
         from clusterenv_core.pool import START_TIMEOUT
 
@@ -113,13 +138,30 @@ class WorkerRestarts:
             wanted = pool._worker_action_dtypes[worker]
             pool._worker_action_dtypes[worker] = pool._space_action_dtypes
             pool._set_action_dtypes(wanted or pool._space_action_dtypes, [worker])
+        if pool.actors is not None:
+            pool.actors.deploy_on_replacement(worker)
 
+    def _reason(self, worker: int, error: ClusterEnvError) -> str:
+        return f"worker {worker} was replaced (restart {self.counts[worker]} of {self.pool.max_restarts}) after: {error}"
+
+    def _take_over_step(self, worker: int, error: ClusterEnvError) -> dict:
+        """Build the lost worker's envs on its replacement and end their interrupted episodes as
+        truncated; returns the block's step result.
+
+        The episodes' last observations are those from before the step. In ``same_step`` mode the
+        new envs are reset now (unseeded); in ``next_step`` mode they reset at their next step,
+        except those whose step was the reset after an episode end, which reset now and return that
+        step; in ``disabled`` mode the caller resets them.
+        """
+        pool = self.pool
+        self._rebuild(worker)
+        block = pool.blocks[worker]
         layout, rows = pool.buffers.obs_layout, slice(block.start, block.stop)
         if layout.buffered:
             previous: dict[int, Any] = {i: layout.read(self.obs_before_step, i) for i in block}
         else:
             previous = {i: self.obs_before_step[i] for i in block}
-        reason = f"worker {worker} was replaced (restart {self.counts[worker]} of {pool.max_restarts}) after: {error}"
+        reason = self._reason(worker, error)
         infos = {i: {RESTART_INFO_KEY: reason} for i in block}
         result: dict[str, dict] = {"infos": infos}
         starting = np.zeros(len(block), dtype=bool)  # envs whose step was a reset: they start an episode

@@ -72,6 +72,10 @@ class Rollout:
     version each step acted with; ``log_probs``/``values`` are zeros unless the policy returns them.
     ``collect_seconds`` is the longest time a worker spent collecting its part (stepping its envs
     and acting): beside the time the learner waited, it tells who waits for whom.
+    ``restarted_envs`` are the envs of workers lost during the segment and replaced
+    (``restart_failed_workers``): their part of it comes from new envs, reset (unseeded) before
+    step 0, which starts an episode, and step 0's info says why under ``"clusterenv_restart"``.
+    The episodes they were in ended, unflagged, where the previous segment ended.
     """
 
     obs: Any
@@ -87,6 +91,7 @@ class Rollout:
     reset_infos: list[dict[int, dict]]
     collect_seconds: float = 0.0
     pickled_final_obs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    restarted_envs: list[int] = field(default_factory=list)
     _final_obs: list[np.ndarray] = field(default_factory=list)
     _obs_layout: SpaceLayout | None = None
 

@@ -430,6 +430,9 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         rollout = self._rollout(env)
         num_envs = env.num_envs
         batch = n_rollout_steps * num_envs
+        if rollout.restarted_envs:  # the new envs of a replaced worker start episodes at step 0
+            self._last_episode_starts = np.array(self._last_episode_starts, dtype=bool)
+            self._last_episode_starts[rollout.restarted_envs] = True
         # The next segment (in the pool's other region) runs while this one is processed and trained on.
         self._start_next_segment(uncounted=batch)
         segment = _Segment(rollout, env)

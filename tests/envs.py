@@ -162,6 +162,16 @@ class HangingEnv(gym.Wrapper):
         return self.env.step(action)
 
 
+def lost_once(flag: str, how: str, at: int) -> gym.Env:
+    """CartPole whose first build kills its worker (``killed``) or hangs (``stuck``) at step ``at``;
+    builds after it (the flag file exists) are plain CartPole."""
+    if os.path.exists(flag):
+        return gym.make("CartPole-v1")
+    open(flag, "w").close()
+    wrapper = SuicidalEnv if how == "killed" else HangingEnv
+    return wrapper(gym.make("CartPole-v1"), at)
+
+
 class SlowCartPole(gym.Wrapper):
     """CartPole whose step sleeps ``seconds`` first (a slow simulator that leaves the CPU idle)."""
 

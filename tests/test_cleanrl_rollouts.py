@@ -26,6 +26,7 @@ from clusterenv_cleanrl import (  # noqa: E402
 from clusterenv_core import EnvPool  # noqa: E402
 from clusterenv_core.aaps import divergence  # noqa: E402
 from clusterenv_core.rollout import Rollout  # noqa: E402
+from tests.envs import lost_once  # noqa: E402
 
 GAMMA = 0.9
 
@@ -268,6 +269,16 @@ def test_aaps_wiring_and_overlap_keep_segments_contiguous():
         pool.reset()  # nothing pending after close
         rollouts.collect_ppo(GAMMA)  # starts the next segment ahead
     rollouts.close()  # after the pool: closing it ended that segment
+
+
+def test_the_new_envs_of_a_worker_lost_mid_segment_start_episodes(tmp_path):
+    env_fns = [make_env] * 3 + [functools.partial(lost_once, str(tmp_path / "built"), "killed", 6)]
+    with EnvPool(env_fns, num_workers=2, restart_failed_workers=True) as pool:
+        rollouts = WorkerRollouts(pool, GreedyAgent(), 4, seed=0)
+        rollouts.collect_ppo(GAMMA)
+        second = rollouts.collect_ppo(GAMMA)  # env 3's worker is lost at its 6th step
+        assert pool.restarts["workers"] == 1
+        assert second.dones[0, 2:].tolist() == [1.0, 1.0]
 
 
 def test_an_update_before_any_segment_is_not_counted():

@@ -22,6 +22,7 @@ from tests.envs import (
     ResetFailingEnv,
     ResetKeywordsEnv,
     SuicidalEnv,
+    lost_once,
 )
 from tests.interrupts import interrupt_soon
 
@@ -423,3 +424,98 @@ def test_a_replacement_that_cannot_build_its_envs_leaves_the_pool_failed(tmp_pat
             with pytest.raises(ClusterEnvError, match="unusable after an earlier failure"):
                 call()
         assert pool.restarts["workers"] == 1
+
+
+@pytest.mark.parametrize("how", ["killed", "stuck"])
+def test_a_worker_lost_during_a_segment_is_replaced_and_its_part_collected_anew(tmp_path, how):
+    torch = pytest.importorskip("torch")
+    from tests.policies import LinearPolicy, reference_rollout
+
+    flag = str(tmp_path / "built")
+    env_fns = [CARTPOLE, CARTPOLE, CARTPOLE, functools.partial(lost_once, flag, how, 4)]
+    with EnvPool(env_fns, num_workers=2, timeout=2.0, restart_failed_workers=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        policy = LinearPolicy()
+        actors = pool.deploy(policy)
+        old_pid = pool.worker_pids[1]
+        rollout = actors.rollout(6)  # env 3's worker is lost at its 4th step
+        assert pool.worker_pids[1] != old_pid
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        assert rollout.restarted_envs == [2, 3]
+        expected_cause = "SIGKILL" if how == "killed" else "did not answer within"
+        for index in (2, 3):
+            reason = rollout.infos[0][index][RESTART_INFO_KEY]
+            assert "worker 1 was replaced (restart 1 of 1)" in reason and expected_cause in reason
+        assert all(RESTART_INFO_KEY not in info for t, infos in enumerate(rollout.infos) for info in infos.values() if t)
+        assert RESTART_INFO_KEY not in rollout.infos[0].get(0, {})
+        # Worker 0's part is the segment it would have collected anyway.
+        expected, last_obs = reference_rollout(policy, [0, 1], 6)
+        for t, step in enumerate(expected):
+            np.testing.assert_array_equal(rollout.obs[t][:2], step["obs"])
+            assert rollout.rewards[t][:2].tolist() == step["rewards"]
+        np.testing.assert_array_equal(rollout.last_obs[:2], last_obs)
+        # The replacement's part: new episodes from a reset, six steps acted on by the deployed policy.
+        assert np.all(np.abs(rollout.obs[0][2:]) <= 0.05)  # CartPole's reset range
+        with torch.no_grad():
+            greedy = policy.act(torch.as_tensor(np.asarray(rollout.obs)[:, 2:]))["actions"].numpy()
+        np.testing.assert_array_equal(rollout.actions[:, 2:], greedy)
+        assert rollout.rewards[:, 2:].tolist() == [[1.0, 1.0]] * 6 and (rollout.versions == 0).all()
+        following = actors.rollout(6)
+        assert following.restarted_envs == [] and RESTART_INFO_KEY not in following.infos[0].get(2, {})
+        np.testing.assert_array_equal(following.obs[0], rollout.last_obs)
+        pool.step(_zeros(pool))
+
+
+def test_a_worker_lost_again_during_a_segment_with_no_restarts_left_fails_the_pool():
+    pytest.importorskip("torch")
+    from tests.policies import LinearPolicy
+
+    env_fns = [CARTPOLE, functools.partial(_with, SuicidalEnv, die_at=3)]  # its replacement dies at step 3, too
+    with EnvPool(env_fns, num_workers=2, restart_failed_workers=True, max_restarts=1) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        with pytest.raises(WorkerLostError, match="worker 1"):
+            actors.rollout(8)
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        with pytest.raises(ClusterEnvError, match="unusable after an earlier failure"):
+            actors.rollout(8)
+    with EnvPool(env_fns, num_workers=2) as pool:  # restarts off: the first loss is fatal
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        with pytest.raises(WorkerLostError, match="worker 1"):
+            actors.rollout(8)
+        assert pool.restarts == {"envs": 0, "workers": 0}
+
+
+def test_ctrl_c_while_a_worker_lost_during_a_segment_is_replaced_then_resume(tmp_path):
+    pytest.importorskip("torch")
+    from tests.policies import LinearPolicy
+
+    # The segment times out after 1 s and the replacement builds its env for 2 s: Ctrl-C lands there.
+    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"))]
+    with EnvPool(env_fns, num_workers=2, timeout=1.0, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        interrupt_soon(1.6)
+        with pytest.raises(KeyboardInterrupt):
+            actors.rollout(4)
+        assert actors.wait_interrupted and pool.restarts["workers"] == 1  # interrupted while replacing
+        rollout = actors.rollout_wait()  # the replacement is done again, and counted once
+        assert rollout.restarted_envs == [1] and "restart 1 of 3" in rollout.infos[0][1][RESTART_INFO_KEY]
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        assert actors.rollout(4).restarted_envs == []
+
+
+def test_a_worker_replaced_in_a_step_takes_the_deployed_policy():
+    torch = pytest.importorskip("torch")
+    from tests.policies import LinearPolicy
+
+    with EnvPool([CARTPOLE] * 2, num_workers=2, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        actors.rollout(3)
+        new_weights = actors.publish_weights(torch.zeros(actors.weights_nbytes // 4).numpy())
+        _lose_worker(pool.worker_pids[1], "killed")
+        assert pool.step(_zeros(pool)).truncated.tolist() == [False, True]
+        rollout = actors.rollout(3)  # the replacement acts with the current weights
+        assert rollout.restarted_envs == [] and (rollout.versions == new_weights).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -29,6 +30,7 @@ from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E40
 from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
 from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _NumpyMlpActor, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
+from tests.envs import lost_once  # noqa: E402
 
 AAPS_KEYS = {
     "aaps/syncs",
@@ -792,6 +794,19 @@ def test_stopping_or_failing_mid_learn_leaves_env_and_model_consistent():
         env.reset()  # the pool is usable
         model.learn(64, reset_num_timesteps=False)
         assert model.num_timesteps == 16 * 2 + 64
+    finally:
+        env.close()
+
+
+def test_a_worker_lost_mid_learn_is_replaced_and_its_envs_start_episodes(tmp_path):
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 3
+    env_fns.append(functools.partial(lost_once, str(tmp_path / "built"), "killed", 12))  # in the second segment
+    env = ClusterVecEnv(env_fns, num_workers=2, restart_failed_workers=True)
+    try:
+        model = PPO("MlpPolicy", env, n_steps=8, batch_size=32, n_epochs=1, seed=0, device="cpu")
+        model.learn(64)
+        assert env.pool.restarts == {"envs": 0, "workers": 1} and model.num_timesteps == 64
+        assert model.rollout_buffer.episode_starts[0, 2:].tolist() == [1.0, 1.0]  # the new envs' episodes
     finally:
         env.close()
 
