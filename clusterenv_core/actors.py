@@ -210,7 +210,7 @@ class WorkerActors:
             results = pool._gather(collecting, "rollout", step=True, timeout=timeout)
             while lost:  # workers lost during the segment (restart_failed_workers): replacements collect their part
                 replacing = sorted(lost)
-                self._restart_reasons.update(restarter.replace_lost_in_segment(self._restart_segment))
+                restarter.replace_lost_in_segment(self._restart_segment)
                 results.update(pool._gather(replacing, "rollout", step=True, timeout=timeout))
         finally:
             # Interrupted (Ctrl-C) with replies unread or unreported, or a lost worker not replaced
@@ -312,8 +312,9 @@ class WorkerActors:
         self.pool._gather([worker], "deploying the policy on a replaced worker")
         self._delivered_version[worker] = self.policy_version
 
-    def _restart_segment(self, worker: int) -> None:
-        """Send the pending segment's request to a worker that replaced a lost one."""
+    def _restart_segment(self, worker: int, reason: str) -> None:
+        """Send the pending segment's request to a worker that replaced a lost one, for ``reason``."""
+        self._restart_reasons[worker] = reason  # kept first: Ctrl-C after the send loses no reason
         self._send_segment_request(worker, self._pending, self._pending_requests[worker])
 
     def _deliver_weights(self, worker: int) -> None:

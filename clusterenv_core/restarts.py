@@ -77,28 +77,26 @@ class WorkerRestarts:
         results, self._taken_over = self._taken_over, {}
         return results
 
-    def replace_lost_in_segment(self, start_segment: Callable[[int], None]) -> dict[int, str]:
-        """Replace every worker lost during a rollout segment; returns the reason of each replacement.
+    def replace_lost_in_segment(self, start_segment: Callable[[int, str], None]) -> None:
+        """Replace every worker lost during a rollout segment.
 
         A replacement builds the lost worker's envs, takes the deployed policy and resets the envs
-        (unseeded, as automatic resets do); ``start_segment(worker)`` then sends it the segment's
-        request, so that it collects the block's part of the segment anew, from new episodes. The episodes the lost
-        worker was in end where the previous segment ended, which the learner has bootstrapped as
-        any segment's end; their steps in this segment are dropped with the lost worker.
+        (unseeded, as automatic resets do); ``start_segment(worker, reason)`` then sends it the
+        segment's request, so that it collects the block's part of the segment anew, from new
+        episodes. The episodes the lost worker was in end where the previous segment ended, which
+        the learner has bootstrapped as any segment's end; their steps in this segment are dropped
+        with the lost worker.
         """
 
-        def take_over(worker: int, error: ClusterEnvError) -> str:
+        def take_over(worker: int, error: ClusterEnvError) -> None:
             self._rebuild(worker)
             # The reset's infos are dropped: a segment has no place for those of a reset before its first step.
             self._reset_replacement(worker, None)
-            start_segment(worker)
-            return self._reason(worker, error)
+            start_segment(worker, self._reason(worker, error))
 
-        reasons = {}
         for worker in sorted(self.lost):
-            reasons[worker] = self._replace(worker, self.lost[worker], take_over)
+            self._replace(worker, self.lost[worker], take_over)
             del self.lost[worker]
-        return reasons
 
     def _replace(
         self, worker: int, error: ClusterEnvError, take_over: Callable[[int, ClusterEnvError], TakeOver]

@@ -446,7 +446,7 @@ def test_a_worker_lost_during_a_segment_is_replaced_and_its_part_collected_anew(
         for index in (2, 3):
             reason = rollout.infos[0][index][RESTART_INFO_KEY]
             assert "worker 1 was replaced (restart 1 of 1)" in reason and expected_cause in reason
-        assert all(RESTART_INFO_KEY not in info for t, infos in enumerate(rollout.infos) for info in infos.values() if t)
+        assert not any(RESTART_INFO_KEY in info for infos in rollout.infos[1:] for info in infos.values())
         assert RESTART_INFO_KEY not in rollout.infos[0].get(0, {})
         # Worker 0's part is the segment it would have collected anyway.
         expected, last_obs = reference_rollout(policy, [0, 1], 6)
@@ -514,8 +514,8 @@ def test_a_worker_replaced_in_a_step_takes_the_deployed_policy():
         pool.reset(seeds=[0, 1])
         actors = pool.deploy(LinearPolicy())
         actors.rollout(3)
-        new_weights = actors.publish_weights(torch.zeros(actors.weights_nbytes // 4).numpy())
+        version = actors.publish_weights(torch.zeros(actors.weights_nbytes // 4).numpy())
         _lose_worker(pool.worker_pids[1], "killed")
         assert pool.step(_zeros(pool)).truncated.tolist() == [False, True]
         rollout = actors.rollout(3)  # the replacement acts with the current weights
-        assert rollout.restarted_envs == [] and (rollout.versions == new_weights).all()
+        assert rollout.restarted_envs == [] and (rollout.versions == version).all()
