@@ -1,12 +1,15 @@
 """Soak test: long runs must keep their speed and memory, also while envs and workers fail.
 
-    python benchmarks/soak.py [--steps 2000000] [--failure-steps 200000] [--mpi-steps 1000000]
-                              [--atari-steps 200000] [--envs 32]
+    python benchmarks/soak.py [--steps 2000000] [--failure-steps 200000] [--segment-steps 400000]
+                              [--mpi-steps 1000000] [--atari-steps 200000] [--envs 32]
 
 Phases, each on ClusterVecEnv: ``plain`` runs ``--steps`` CartPole-v1 steps; ``failures`` runs
 ``--failure-steps`` steps where every env raises with probability 1e-3 per step and a worker kills
 itself with probability 2e-5 per env step, with ``restart_failed_envs`` and
-``restart_failed_workers`` on; ``mpi`` runs ``--mpi-steps`` CartPole steps on the MPI backend (2
+``restart_failed_workers`` on; ``segment failures`` runs ``--segment-steps`` steps of worker-side
+inference (an SB3 MLP policy deployed on the workers collects 128-step segments, and its weights
+are published after each) with envs raising as before and workers killing themselves with
+probability 1e-4 per env step, restarts on; ``mpi`` runs ``--mpi-steps`` CartPole steps on the MPI backend (2
 spawned ranks; skipped without mpi4py); ``atari`` runs ``--atari-steps`` steps of Pong with SB3's
 AtariWrapper and 4 stacked frames inside each env (4x84x84 observations through the buffers, 16
 envs; skipped without ale-py). Each phase prints steps/s per tenth of the run and the resident
@@ -33,7 +36,8 @@ import psutil
 from clusterenv_core import LearnerThreadsWarning
 from clusterenv_sb3 import ClusterVecEnv
 
-# Random actions: torch is imported (by SB3) but never runs here, so its threads cannot get in the way.
+# The learner's torch does next to nothing here (random actions, or a policy acting on the workers), so
+# its threads cannot get in the way.
 warnings.filterwarnings("ignore", category=LearnerThreadsWarning)
 
 MAX_GROWTH = 0.05
@@ -69,26 +73,46 @@ def rss_mb(venv: ClusterVecEnv) -> dict:
     return {"learner": psutil.Process().memory_info().rss / 2**20, "workers": sum(workers) / 2**20}
 
 
-def run_phase(name: str, env_fn, num_envs: int, total_steps: int, **vec_kwargs) -> dict:
+def run_phase(name: str, env_fn, num_envs: int, total_steps: int, segment_steps: int = 0, **vec_kwargs) -> dict:
+    """Step ``num_envs`` envs from ``env_fn`` for ``total_steps`` steps in all: random actions, or
+    with ``segment_steps`` segments of that many steps collected by the workers."""
     venv = ClusterVecEnv([env_fn] * num_envs, **vec_kwargs)
     venv.reset()
-    space = venv.action_space
-    space.seed(0)
-    actions = [np.stack([space.sample() for _ in range(num_envs)]) for _ in range(1000)]
-    batches = total_steps // num_envs
-    tenth = max(batches // 10, 1)
+    if segment_steps:
+        from stable_baselines3.common.policies import ActorCriticPolicy
+
+        from clusterenv_sb3.policies import make_deployable
+
+        policy = make_deployable(ActorCriticPolicy(venv.observation_space, venv.action_space, lambda _: 3e-4))
+        actors = venv.pool.deploy(policy, seed=0)
+        steps_per_call = num_envs * segment_steps
+
+        def advance(call: int) -> None:
+            actors.rollout(segment_steps)
+            actors.publish_weights(policy)
+    else:
+        space = venv.action_space
+        space.seed(0)
+        actions = [np.stack([space.sample() for _ in range(num_envs)]) for _ in range(1000)]
+        steps_per_call = num_envs
+
+        def advance(call: int) -> None:
+            venv.step(actions[call % 1000])
+
+    calls = total_steps // steps_per_call
+    tenth = max(calls // 10, 1)
     rates, memory = [], {}
     started = time.perf_counter()
     try:
-        for batch in range(batches):
-            venv.step(actions[batch % 1000])
-            if (batch + 1) % tenth == 0:
+        for call in range(calls):
+            advance(call)
+            if (call + 1) % tenth == 0:
                 now = time.perf_counter()
-                rates.append(tenth * num_envs / (now - started))
+                rates.append(tenth * steps_per_call / (now - started))
                 started = now
                 if len(rates) == 1:
                     memory["start"] = rss_mb(venv)
-                print(f"{name}: {100 * (batch + 1) // batches:3d}%  {rates[-1]:9.0f} steps/s", flush=True)
+                print(f"{name}: {100 * (call + 1) // calls:3d}%  {rates[-1]:9.0f} steps/s", flush=True)
         memory["end"] = rss_mb(venv)
         restarts = dict(venv.pool.restarts)
     finally:
@@ -100,13 +124,14 @@ def run_phase(name: str, env_fn, num_envs: int, total_steps: int, **vec_kwargs) 
             f" ({100 * growth[part]:+.2f}%)"
         )
     print(f"{name}: restarts {restarts}")
-    return {"steps": batches * num_envs, "steps_per_s": rates, "rss_mb": memory, "growth": growth, "restarts": restarts}
+    return {"steps": calls * steps_per_call, "steps_per_s": rates, "rss_mb": memory, "growth": growth, "restarts": restarts}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2_000_000)
     parser.add_argument("--failure-steps", type=int, default=200_000)
+    parser.add_argument("--segment-steps", type=int, default=400_000)
     parser.add_argument("--mpi-steps", type=int, default=1_000_000)
     parser.add_argument("--atari-steps", type=int, default=200_000)
     parser.add_argument("--envs", type=int, default=32)
@@ -125,6 +150,17 @@ def main() -> None:
             max_restarts=1_000_000,
         ),
     }
+    if args.segment_steps:
+        results["segment failures"] = run_phase(
+            "segment failures",
+            functools.partial(RandomFailures, raise_p=1e-3, kill_p=1e-4),
+            args.envs,
+            args.segment_steps,
+            segment_steps=128,
+            restart_failed_envs=True,
+            restart_failed_workers=True,
+            max_restarts=1_000_000,
+        )
     if importlib.util.find_spec("mpi4py") is not None and args.mpi_steps:
         cartpole = functools.partial(gym.make, "CartPole-v1")
         results["mpi"] = run_phase("mpi", cartpole, args.envs, args.mpi_steps, backend="mpi", num_workers=2)
