@@ -309,17 +309,28 @@ class WorkerInferenceMixin:
     def learn(self, *args: Any, **kwargs: Any) -> Any:
         if self.overlap_collection and isinstance(self.env, ClusterVecEnv) and not self.env.pool.closed:
             self._learner_threads = _LearnerThreads(spare_cores(self.env.pool.workers_on_this_host))
+        failed = True
         try:
-            return super().learn(*args, **kwargs)
+            learned = super().learn(*args, **kwargs)
+            failed = False
+            return learned
         finally:
-            self._drain_started()
-            if self._learner_threads is not None:
-                self._learner_threads.restore()
-                self._learner_threads = None
-            if self._policy_sync is not None:
-                self._weights_after_learn = {
-                    name: value.detach().clone() for name, value in self._acting_policy().state_dict().items()
-                }
+            try:
+                # An env's error in a segment started ahead and never used (a callback stopped
+                # learning) is raised, unless learning failed already: that error is the one to see.
+                self._drain_started(quiet=failed)
+            finally:
+                self._after_learn()
+
+    def _after_learn(self) -> None:
+        """Give the learner its torch threads back and remember the weights learn() left."""
+        if self._learner_threads is not None:
+            self._learner_threads.restore()
+            self._learner_threads = None
+        if self._policy_sync is not None:
+            self._weights_after_learn = {
+                name: value.detach().clone() for name, value in self._acting_policy().state_dict().items()
+            }
 
     def train(self, *args: Any, **kwargs: Any) -> None:
         """SB3's update, then the sync decision (push the new weights, or not)."""
@@ -380,16 +391,23 @@ class WorkerInferenceMixin:
             self._policy_sync.actors.rollout_async(n_steps, context)
             self._started = (n_steps, context)
 
-    def _drain_started(self) -> None:
+    def _drain_started(self, quiet: bool = True) -> None:
         """Finish a segment started ahead and never used (learning stopped early or failed); its steps
-        are dropped, but the observations continue from where the envs are."""
+        are dropped, but the observations continue from where the envs are.
+
+        :param quiet: drop the segment's error instead of raising it (a lost worker's, or an env's).
+            Either way the next learn() resets the envs, whose state the error leaves unknown.
+        """
         if self._started is None:
             return
         self._started = None
         try:
             rollout = self._policy_sync.actors.rollout_wait()
-        except Exception:  # the pool reports its failure at its next use
-            return
+        except Exception:
+            self._last_obs = None  # SB3's _setup_learn resets the envs then
+            if quiet:  # a failed pool also says so at its next use
+                return
+            raise
         self._last_obs = _copy(rollout.last_obs)
         self._last_episode_starts = (rollout.terminated[-1] | rollout.truncated[-1]).copy()
 

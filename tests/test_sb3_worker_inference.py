@@ -30,7 +30,7 @@ from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E40
 from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
 from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _NumpyMlpActor, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
-from tests.envs import lost_once  # noqa: E402
+from tests.envs import FailingEnv, lost_once  # noqa: E402
 
 AAPS_KEYS = {
     "aaps/syncs",
@@ -807,6 +807,23 @@ def test_a_worker_lost_mid_learn_is_replaced_and_its_envs_start_episodes(tmp_pat
         model.learn(64)
         assert env.pool.restarts == {"envs": 0, "workers": 1} and model.num_timesteps == 64
         assert model.rollout_buffer.episode_starts[0, 2:].tolist() == [1.0, 1.0]  # the new envs' episodes
+    finally:
+        env.close()
+
+
+def test_an_env_error_in_a_segment_started_ahead_and_never_used_is_raised():
+    # Segments of 16 steps: stopping at step 20, during the second, leaves the third (steps 33-48)
+    # started ahead; env 1 raises at its 40th step, in that one.
+    env_fns = [functools.partial(gym.make, "CartPole-v1")]
+    env_fns.append(lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=40))
+    env = ClusterVecEnv(env_fns, num_workers=1)
+    try:
+        model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, n_epochs=1, seed=0, device="cpu", overlap_collection=True)
+        with pytest.raises(ValueError, match="injected failure at step 40"):
+            model.learn(1000, callback=StopAt(stop=20))
+        assert model._started is None and model._last_obs is None
+        model.learn(64)  # the envs were reset
+        assert model.num_timesteps == 64
     finally:
         env.close()
 
