@@ -71,7 +71,7 @@ class WorkerActors:
         self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
         self._pending_requests: list[protocol.Rollout] = []  # its request to each worker
         self._pending_timeout = pool.timeout
-        # Why each worker of the pending rollout was replaced, kept until the rollout is returned.
+        # Why each worker of the pending rollout was replaced (cleared when the next one starts).
         self._restart_reasons: dict[int, str] = {}
         #: rollout_wait was interrupted with replies unread
         self.wait_interrupted = False
@@ -235,7 +235,6 @@ class WorkerActors:
                 info = infos[0].get(index, {})
                 said = reason if RESTART_INFO_KEY not in info else f"{reason}; then {info[RESTART_INFO_KEY]}"
                 infos[0][index] = {**info, RESTART_INFO_KEY: said}
-        self._restart_reasons = {}
         obs_layout, act_layout = pool.buffers.obs_layout, pool.buffers.act_layout
         return Rollout(
             obs=time_major(obs_layout, region.obs),
