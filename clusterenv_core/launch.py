@@ -24,6 +24,8 @@ import time
 import traceback
 from typing import NoReturn
 
+from clusterenv_core.group_guard import start_group_guard
+
 USAGE = "usage: python -m clusterenv_core.worker [<backend> [backend arguments]]  (no backend: the MPI launcher's)"
 
 # Set for the processes of an MPI launch by hydra (MPICH), Slurm's PMI-2, PMIx and Open MPI.
@@ -47,6 +49,9 @@ def run_worker_program(argv: list[str]) -> int:
     # the learner shows in its WorkerLostError (local backend) or the launcher forwards (MPI). The
     # crashing thread's alone: the worker's own threads would push the env's last words out of it.
     faulthandler.enable(all_threads=False)
+    # Before any thread, and before MPI is initialized (the guard is a fork): what the envs start dies
+    # with this worker, however it dies.
+    start_group_guard()
     try:
         from clusterenv_core.transports import worker_connection
         from clusterenv_core.worker import serve

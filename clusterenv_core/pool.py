@@ -31,6 +31,7 @@ from clusterenv_core.errors import (
     WorkerLostError,
     WorkerTimeoutError,
 )
+from clusterenv_core.interpreter import LearnerInterpreter
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
 from clusterenv_core.protocol import AUTORESET_MODES, ERROR, OK, PROGRESS
 from clusterenv_core.results import ResetResult, StepResult
@@ -170,21 +171,29 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         #: asynchronous stepping, once :meth:`async_batches` started it
         self.batches: AsyncBatches | None = None
         # Serialize before anything starts, so an unpicklable factory or env spec fails here, named.
-        pickled_blocks = [_pickle_factories(env_fns, block) for block in self.blocks]
+        factories = _pickle_factories(env_fns, self.blocks)
+        distinct_pickles = list({id(data): data for pickles, _, _ in factories for data in pickles}.values())
+        worker_modules = protocol.modules_named(distinct_pickles)
         shipped_registry = registry.snapshot()
-        self._init_requests = [
+        learner_interpreter = LearnerInterpreter.capture(worker_modules)
+        # Kept while restarts may need them (a replaced worker gets its block's again), else dropped
+        # once sent: they hold a pickle of every distinct factory.
+        self._init_requests: list[protocol.Init] | None = [
             protocol.Init(
-                env_fns=pickled_blocks[worker],
+                pickles=pickles,
+                factory_pickles=factory_pickles,
+                env_factories=env_factories,
                 first_index=block.start,
                 autoreset_mode=autoreset_mode,
                 max_env_restarts=max_restarts if self.restart_failed_envs else 0,
                 restarted=False,
                 env_restarts=[0] * len(block),
-                sys_path=list(sys.path),
+                interpreter=learner_interpreter,
                 registry=shipped_registry,
             )
-            for worker, block in enumerate(self.blocks)
+            for (pickles, factory_pickles, env_factories), block in zip(factories, self.blocks)
         ]
+        del factories, distinct_pickles
 
         self._transport: Transport = transport
         # Per worker whose reply is still unread: the type of its request (None: a step).
@@ -206,7 +215,7 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         )
         transport.exit_hook = self._finalizer
         transport.blocks = tuple(self.blocks)
-        transport.worker_modules = tuple(protocol.modules_named([data for block in pickled_blocks for data in block]))
+        transport.worker_modules = tuple(worker_modules)
         try:
             transport.start(num_workers, timeout)
             start_timeout = max(timeout, START_TIMEOUT)
@@ -241,6 +250,8 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 from clusterenv_core.restarts import WorkerRestarts
 
                 self._restarter = WorkerRestarts(self)
+            else:
+                self._init_requests = None
         except BaseException:
             self.close()
             raise
@@ -900,17 +911,45 @@ def _refuse_a_pool_built_by_a_worker_import() -> None:
     )
 
 
-def _pickle_factories(env_fns: list, block: range) -> list[bytes]:
-    pickled = []
-    for index in block:
+def _pickle_factories(env_fns: list, blocks: list[range]) -> list[tuple[list[bytes], list[int], list[int]]]:
+    """Per block, the factory fields of its :class:`~clusterenv_core.protocol.Init`: the distinct
+    pickles, the pickle of each distinct factory object, the factory object of each env.
+
+    Each factory object is pickled once, and equal pickles are held once: ``[make] * n``, where
+    ``make`` closes over a large array (a terrain, a dataset), costs one pickle, not ``n``.
+    """
+    pickled: dict[int, bytes] = {}  # by id of the factory object
+    held: dict[bytes, bytes] = {}  # one bytes object per distinct pickle
+    for index, env_fn in enumerate(env_fns):
+        if id(env_fn) in pickled:
+            continue
         try:
-            pickled.append(protocol.dumps_code(env_fns[index]))
+            data = protocol.dumps_code(env_fn)
         except Exception as error:
             raise ValueError(
                 f"env_fns[{index}] cannot be pickled ({type(error).__name__}: {error}); "
                 "env factories must be picklable to reach the workers"
             ) from error
-    return pickled
+        pickled[id(env_fn)] = held.setdefault(data, data)
+    fields = []
+    for block in blocks:
+        pickles: list[bytes] = []
+        pickle_of: dict[int, int] = {}  # by id of the bytes object
+        factory_pickles: list[int] = []
+        factory_of: dict[int, int] = {}  # by id of the factory object
+        env_factories = []
+        for index in block:
+            key = id(env_fns[index])
+            if key not in factory_of:
+                data = pickled[key]
+                if id(data) not in pickle_of:
+                    pickle_of[id(data)] = len(pickles)
+                    pickles.append(data)
+                factory_of[key] = len(factory_pickles)
+                factory_pickles.append(pickle_of[id(data)])
+            env_factories.append(factory_of[key])
+        fields.append((pickles, factory_pickles, env_factories))
+    return fields
 
 
 def _reply_timeout(request_type: type | None, timeout: float) -> float:

@@ -25,10 +25,12 @@ use in the pool; backends stay as they are.
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import pickle
 import sys
 import traceback
+import types
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -69,13 +71,18 @@ class Request:
 class Init(Request):
     """Build the block's envs; the reply is :class:`BlockDescription`."""
 
-    env_fns: list[bytes]  # cloudpickled factories, one per env of the block
+    # The block's env factories: each distinct pickle once (``[make] * n`` with ``make`` closing over
+    # a large array travels once), each distinct factory object unpickled once (as DummyVecEnv calls
+    # the one object it was given for each env), and which factory builds each env of the block.
+    pickles: list[bytes]  # cloudpickled factories, equal pickles once
+    factory_pickles: list[int]  # per distinct factory object of the block: its pickle
+    env_factories: list[int]  # per env of the block: its factory object
     first_index: int  # global index of the block's first env
     autoreset_mode: str
     max_env_restarts: int  # how often one env that raises in step may be rebuilt (0: never)
     restarted: bool  # the block replaces a lost worker's
     env_restarts: list[int]  # replacements of each env of the block so far (a budget carried over)
-    sys_path: list[str]  # the learner's import path
+    interpreter: Any  # the learner's import path, module files, warning filters (interpreter.LearnerInterpreter)
     registry: list  # the learner's env registry (clusterenv_core.registry.ShippedSpec)
 
 
@@ -315,14 +322,42 @@ def dumps_code(obj: Any) -> bytes:
     Workers cannot import the learner's script, so cloudpickle sends what its ``__main__`` defines
     by value. A learner that runs in a ``multiprocessing`` spawn or forkserver child (a pool of
     training runs, say) has its script as ``__mp_main__``, which cloudpickle would send by
-    reference, to workers that have no such module: that module goes by value too.
+    reference, to workers that have no such module: that module goes by value too. Code sent by
+    value keeps the file it came from (cloudpickle names it ``<dynamic-code>``), so that warnings
+    and tracebacks from it name the script's file and line, and show its source, as in the learner.
     """
     import cloudpickle
 
     script = sys.modules.get("__mp_main__")
     if script is not None and script.__name__ == "__mp_main__":
         cloudpickle.register_pickle_by_value(script)
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    with io.BytesIO() as file:
+        _code_pickler(cloudpickle.Pickler)(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return file.getvalue()
+
+
+@functools.cache
+def _code_pickler(base: type) -> type:
+    """A subclass of cloudpickle's pickler (``base``) that keeps the file name of code objects."""
+
+    class CodePickler(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._copies: dict[int, types.CodeType] = {}  # the copies pickled by cloudpickle, by id
+
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is types.CodeType and id(obj) not in self._copies:
+                # A copy: pickle's memo holds it apart from ``obj``, which becomes the named one.
+                copy = obj.replace()
+                self._copies[id(copy)] = copy
+                return _code_in_file, (copy, obj.co_filename)
+            return super().reducer_override(obj)
+
+    return CodePickler
+
+
+def _code_in_file(code: types.CodeType, filename: str) -> types.CodeType:
+    return code.replace(co_filename=filename)
 
 
 # Modules every process has (or that a pickle names for its own machinery): nothing to import ahead.

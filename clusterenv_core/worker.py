@@ -598,17 +598,23 @@ class Worker:
     # -- handlers, one per request type ------------------------------------------------------------
 
     def init(self, request: protocol.Init) -> protocol.BlockDescription:
-        # The learner's import path, so factories pickled by reference find their modules, and its
-        # env registry, so ids registered there build here.
+        # The learner's import path, module files and warning filters, so that factories pickled by
+        # reference find the learner's modules and envs warn as they would there; then its env
+        # registry, so that ids registered there build here.
         self.first_index = request.first_index
-        sys.path.extend(path for path in request.sys_path if path not in sys.path)
+        try:
+            request.interpreter.adopt()
+        except Exception as error:
+            raise RemoteFailure(None, "taking over the learner's import path and warning filters", error) from error
         registry.install(request.registry)
-        env_fns = []
-        for slot, pickled in enumerate(request.env_fns):
+        factories = []
+        for pickle_index in request.factory_pickles:
             try:
-                env_fns.append(pickle.loads(pickled))
+                factories.append(pickle.loads(request.pickles[pickle_index]))
             except Exception as error:
+                slot = request.env_factories.index(len(factories))
                 raise RemoteFailure(slot, "unpickling the env factory", error) from error
+        env_fns = [factories[factory] for factory in request.env_factories]
         self.block = EnvBlock(
             env_fns,
             request.first_index,

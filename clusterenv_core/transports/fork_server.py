@@ -25,6 +25,7 @@ passed with them (``SCM_RIGHTS``). Run as ``python -m clusterenv_core.transports
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import pickle
@@ -38,6 +39,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from clusterenv_core.interpreter import child_command, interpreter_flags
 
 #: seconds the fork server lingers without a worker before it ends (pools opened one after another,
 #: as in a test suite or an eval env after a training env, reuse it)
@@ -120,16 +123,17 @@ def _readable(fd: int, timeout: float | None) -> bool:
 class ForkServer:
     """The learner's side of one fork server process.
 
-    :param command: how to run the server's interpreter (``python`` and its flags)
+    :param python: the server's interpreter, started with the learner's flags and import path
+        (:func:`~clusterenv_core.interpreter.child_command`), which its workers inherit
     :param env: the server's environment (the workers get their own with each launch)
     """
 
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+    def __init__(self, python: str, env: dict[str, str]) -> None:
         self.owner = os.getpid()
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [*command, "-m", "clusterenv_core.transports.fork_server", str(server_end.fileno())],
+                child_command(python, "clusterenv_core.transports.fork_server", [str(server_end.fileno())]),
                 pass_fds=[server_end.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -170,6 +174,10 @@ class ForkServer:
         """End the server (its workers go on until their own ends)."""
         self.control.close()
         self.process.kill()
+        try:
+            self.process.wait(1.0)  # at once: killed
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def installed(modules: Sequence[str]) -> list[str]:
@@ -192,24 +200,37 @@ _servers: dict[tuple[str, ...], ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
+@atexit.register
+def _close_servers() -> None:
+    """End this learner's fork servers as it exits, rather than leave their sockets to the garbage
+    collector (a ResourceWarning under ``-X dev``)."""
+    with _servers_lock:
+        servers = [server for server in _servers.values() if server.owner == os.getpid()]
+        _servers.clear()
+    for server in servers:
+        server.close()
+
+
 def launch_worker(
-    command: list[str], env: dict[str, str], fds: Sequence[int], spin: str, modules: Sequence[str], timeout: float
+    python: str, env: dict[str, str], fds: Sequence[int], spin: str, modules: Sequence[str], timeout: float
 ) -> ForkedWorker:
-    """Fork a local worker from this process's fork server for ``command`` and the packages of
-    ``modules`` (started if need be).
+    """Fork a local worker from this process's fork server for the interpreter ``python`` and the
+    packages of ``modules`` (started if need be).
 
     A server that ended since (idle) or fails is replaced once.
 
     :raises OSError: no server could fork it
     """
     # A server per set of packages: workers import only what their factories need, torch only if
-    # they name it, also when an earlier pool's server imported it.
-    key = (*command, *sorted({module.split(".")[0] for module in modules}))
+    # they name it, also when an earlier pool's server imported it. And per flags and import path,
+    # which its workers inherit and its imports followed.
+    packages = sorted({module.split(".")[0] for module in modules})
+    key = (python, *interpreter_flags(), "", *sys.path, "", *packages)
     with _servers_lock:
         for attempt in range(2):
             server = _servers.get(key)
             if server is None or not server.usable():
-                server = _servers[key] = ForkServer(command, env)
+                server = _servers[key] = ForkServer(python, env)
             try:
                 return server.launch(fds, spin, env, modules, timeout)
             except BaseException as error:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views
 from clusterenv_core.checks import check_bool, check_int, check_seconds
 from clusterenv_core.errors import WorkerLostError, WorkerTimeoutError
+from clusterenv_core.interpreter import child_command
 from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, WorkerConnection, ctrl_c_held
 from clusterenv_core.transports.fork_server import ForkedWorker, installed, launch_worker, pidfd_supported
@@ -266,7 +267,7 @@ class _StderrTails:
             del tail[: max(len(tail) - self.keep_bytes, 0)]
         return True
 
-    def last_lines(self, worker: int, wait: float = 1.0, lines: int = 20) -> str:
+    def last_lines(self, worker: int, wait: float = 1.0, lines: int = 30) -> str:
         """The last ``lines`` lines the current process of ``worker`` wrote, once its stderr closed
         (or after ``wait`` seconds)."""
         with self._lock:
@@ -412,15 +413,9 @@ class LocalTransport(Transport):
 
     def start(self, num_workers: int, timeout: float) -> None:
         self.memory_fd = _anonymous_file()
-        env = dict(os.environ, **self.extra_env)
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        self._worker_env = env
-        # With -m, the working directory comes first on the worker's path, before the package root
-        # above: a source checkout there would shadow the clusterenv_core this learner runs. -P
-        # (Python 3.11+) leaves it out; the learner's own path reaches the worker with Init.
-        same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
-        self._safe_path = ["-P"] if same_python and sys.version_info >= (3, 11) else []
+        # The learner's environment as it is: an env's helper processes see what they would see under
+        # DummyVecEnv (the worker finds ClusterEnv through its import path, interpreter.child_command).
+        self._worker_env = dict(os.environ, **self.extra_env)
         for worker in range(num_workers - self.has_inline_worker):
             process, channel = self._launch(worker, timeout)
             self.processes.append(process)
@@ -454,15 +449,13 @@ class LocalTransport(Transport):
         modules = ["clusterenv_core.worker", *installed(self.worker_modules)]
         fds = [socket_fd, self.memory_fd, 1, stderr]  # fd 1: the learner's stdout now, as a new process inherits it
         try:
-            return launch_worker(
-                [self.python, *self._safe_path], self._worker_env, fds, spin, modules, max(timeout, _IMPORT_TIMEOUT)
-            )
+            return launch_worker(self.python, self._worker_env, fds, spin, modules, max(timeout, _IMPORT_TIMEOUT))
         except OSError:
             return None
 
     def _start_interpreter(self, socket_fd: int, stderr: int, spin: str) -> subprocess.Popen:
         fds = (socket_fd, self.memory_fd)
-        command = [self.python, *self._safe_path, "-m", "clusterenv_core.worker", "local", *map(str, fds), spin]
+        command = child_command(self.python, "clusterenv_core.worker", ["local", *map(str, fds), spin])
         # A session of its own: processes its envs start share its process group, which close()
         # ends (and no signal of the learner's terminal reaches it; it ignores Ctrl-C anyway).
         return subprocess.Popen(

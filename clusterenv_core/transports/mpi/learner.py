@@ -20,6 +20,7 @@ import numpy as np
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv_core.interpreter import interpreter_flags
 from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, ctrl_c_held
 from clusterenv_core.transports.mpi.heartbeat import (
@@ -201,7 +202,9 @@ class MPITransport(Transport):
             info.Set("wdir", os.getcwd())
             for key, value in self.spawn_info.items():
                 info.Set(str(key), str(value))
-            args = ["-m", "clusterenv_core.worker", "mpi", "spawn"]
+            # The learner's interpreter flags (-W, -X dev, -O, ...), as the local backend's workers get them.
+            same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
+            args = [*(interpreter_flags() if same_python else []), "-m", "clusterenv_core.worker", "mpi", "spawn"]
             with process_manager(self.mpiexec, self.isolate):
                 self.comm = MPI.COMM_SELF.Spawn(self.python, args, maxprocs=num_workers, info=info)
         finally:
