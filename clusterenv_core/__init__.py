@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from clusterenv_core.errors import (
     ClusterEnvError,
+    CloseTimeoutWarning,
     EnvAttributeError,
     EnvError,
     EnvTypeError,
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_TIMEOUT",
     "ClusterEnvError",
+    "CloseTimeoutWarning",
     "EnvAttributeError",
     "EnvError",
     "EnvPool",

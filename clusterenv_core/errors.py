@@ -6,6 +6,8 @@ Every failure that happens on a worker reaches the learner as one of these, so u
 
 from __future__ import annotations
 
+import sys
+
 
 class ClusterEnvError(RuntimeError):
     """Base class of every error ClusterEnv raises about its workers or remote environments."""
@@ -96,3 +98,17 @@ class WorkerLostError(ClusterEnvError):
 
 class WorkerTimeoutError(ClusterEnvError):
     """A worker did not answer within the configured timeout."""
+
+
+class CloseTimeoutWarning(RuntimeWarning):
+    """``close()`` ended a worker that did not finish in time: an env whose own ``close()`` hangs, or
+    a request still running when the pool closed."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning given here at the first caller outside ClusterEnv
+    (and the ``weakref.finalize`` a pool's ``close()`` calls)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(("clusterenv_", "weakref")):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -18,6 +18,8 @@ import os
 import sys
 import warnings
 
+from clusterenv_core.errors import user_stacklevel
+
 
 class LearnerThreadsWarning(UserWarning):
     """torch uses more threads in the learner's process than its workers leave cores."""
@@ -29,29 +31,23 @@ def spare_cores(workers_on_this_host: int) -> int:
 
 
 def warn_if_torch_threads_contend(workers_on_this_host: int) -> None:
-    """Warn when torch, imported in this process, runs more threads than
+    """Warn, once per process, when torch, imported in this process, runs more threads than
     :func:`spare_cores` leaves it."""
+    global _warned
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "get_num_threads"):
+    if _warned or torch is None or not hasattr(torch, "get_num_threads"):
         return
     threads, cores = torch.get_num_threads(), os.cpu_count() or 1
     spare = spare_cores(workers_on_this_host)
     if threads <= spare:
         return
+    _warned = True
     warnings.warn(
-        f"torch runs {threads} threads in this process while {workers_on_this_host} ClusterEnv workers share "
-        f"its {cores} cores: its idle threads spin on the workers' cores, which can make training slower than "
-        f"on one process (PPO with an MLP: up to 2x). Call torch.set_num_threads({spare}) before training, "
-        "unless your network is large enough to gain from more (then filter clusterenv_core.LearnerThreadsWarning). "
-        "ClusterEnv does not change it for you: the thread count changes the last bits of torch's results.",
+        f"torch runs {threads} threads beside {workers_on_this_host} ClusterEnv workers on {cores} cores, which can "
+        f"slow training up to 2x: call torch.set_num_threads({spare}) (README: 'One torch thread in the learner')",
         LearnerThreadsWarning,
-        stacklevel=_first_caller_outside_clusterenv(),
+        stacklevel=user_stacklevel(),
     )
 
 
-def _first_caller_outside_clusterenv() -> int:
-    """The ``stacklevel`` that points a warning at the code that made the pool."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("clusterenv_"):
-        frame, level = frame.f_back, level + 1
-    return level
+_warned = False  # the warning was given in this process

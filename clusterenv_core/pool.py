@@ -14,6 +14,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,9 +28,11 @@ from clusterenv_core.checks import check_bool, check_indices, check_int, check_n
 from clusterenv_core.errors import (
     ENV_ERROR_CLASSES,
     ClusterEnvError,
+    CloseTimeoutWarning,
     EnvError,
     WorkerLostError,
     WorkerTimeoutError,
+    user_stacklevel,
 )
 from clusterenv_core.interpreter import LearnerInterpreter
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
@@ -171,18 +174,16 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         #: asynchronous stepping, once :meth:`async_batches` started it
         self.batches: AsyncBatches | None = None
         # Serialize before anything starts, so an unpicklable factory or env spec fails here, named.
-        factories = _pickle_factories(env_fns, self.blocks)
-        distinct_pickles = list({id(data): data for pickles, _, _ in factories for data in pickles}.values())
-        worker_modules = protocol.modules_named(distinct_pickles)
+        pickled_blocks, env_factories = _pickle_factories(env_fns, self.blocks)
+        worker_modules = protocol.modules_named(pickled_blocks)
         shipped_registry = registry.snapshot()
         learner_interpreter = LearnerInterpreter.capture(worker_modules)
         # Kept while restarts may need them (a replaced worker gets its block's again), else dropped
         # once sent: they hold a pickle of every distinct factory.
         self._init_requests: list[protocol.Init] | None = [
             protocol.Init(
-                pickles=pickles,
-                factory_pickles=factory_pickles,
-                env_factories=env_factories,
+                env_fns=pickled_blocks[worker],
+                env_factories=env_factories[worker],
                 first_index=block.start,
                 autoreset_mode=autoreset_mode,
                 max_env_restarts=max_restarts if self.restart_failed_envs else 0,
@@ -191,9 +192,9 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
                 interpreter=learner_interpreter,
                 registry=shipped_registry,
             )
-            for (pickles, factory_pickles, env_factories), block in zip(factories, self.blocks)
+            for worker, block in enumerate(self.blocks)
         ]
-        del factories, distinct_pickles
+        del pickled_blocks
 
         self._transport: Transport = transport
         # Per worker whose reply is still unread: the type of its request (None: a step).
@@ -275,8 +276,16 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
         **options: Any,
     ) -> EnvPool:
         """A pool from an adapter's keywords: those of :data:`POOL_OPTIONS` are the pool's, any other
-        is an option of the backend (``ClusterVecEnv(env_fns, backend="mpi", launch="spawn")``)."""
+        is an option of the backend, given as a keyword (``ClusterVecEnv(env_fns, fork_server=False)``)
+        or in ``backend_options`` (``ClusterVecEnv(env_fns, backend_options={"fork_server": False})``),
+        as :class:`EnvPool` takes them."""
         pool_kwargs = {name: options.pop(name) for name in POOL_OPTIONS if name in options}
+        # The backend's options may also come as the pool takes them, in one dict.
+        backend_options = dict(options.pop("backend_options", None) or {})
+        twice = sorted(set(backend_options) & set(options))
+        if twice:
+            raise TypeError(f"backend option(s) {', '.join(twice)} given both as keywords and in backend_options")
+        options.update(backend_options)
         return cls(
             env_fns,
             autoreset_mode=autoreset_mode,
@@ -911,45 +920,42 @@ def _refuse_a_pool_built_by_a_worker_import() -> None:
     )
 
 
-def _pickle_factories(env_fns: list, blocks: list[range]) -> list[tuple[list[bytes], list[int], list[int]]]:
-    """Per block, the factory fields of its :class:`~clusterenv_core.protocol.Init`: the distinct
-    pickles, the pickle of each distinct factory object, the factory object of each env.
+def _pickle_factories(env_fns: list, blocks: list[range]) -> tuple[list[bytes], list[list[int]]]:
+    """Per block, the factory fields of its :class:`~clusterenv_core.protocol.Init`: the block's
+    distinct factory objects pickled together, and the factory of each of its envs.
 
-    Each factory object is pickled once, and equal pickles are held once: ``[make] * n``, where
-    ``make`` closes over a large array (a terrain, a dataset), costs one pickle, not ``n``.
+    Equal pickles are held once: ``[make] * n``, where ``make`` closes over a large array (a terrain,
+    a dataset), costs one pickle however many blocks and envs.
+
+    :raises ValueError: a factory cannot be pickled (its index is named)
     """
-    pickled: dict[int, bytes] = {}  # by id of the factory object
     held: dict[bytes, bytes] = {}  # one bytes object per distinct pickle
-    for index, env_fn in enumerate(env_fns):
-        if id(env_fn) in pickled:
-            continue
+    pickled_blocks, env_factories = [], []
+    for block in blocks:
+        factories: dict[int, Any] = {}  # the block's distinct factory objects, by id, in order of first use
+        for index in block:
+            factories.setdefault(id(env_fns[index]), env_fns[index])
         try:
-            data = protocol.dumps_code(env_fn)
+            data = protocol.dumps_code(list(factories.values()))
+        except Exception:
+            _raise_unpicklable(env_fns, block)
+            raise
+        pickled_blocks.append(held.setdefault(data, data))
+        order = {key: position for position, key in enumerate(factories)}
+        env_factories.append([order[id(env_fns[index])] for index in block])
+    return pickled_blocks, env_factories
+
+
+def _raise_unpicklable(env_fns: list, block: range) -> None:
+    """Raise the ``ValueError`` of the first factory of ``block`` that cannot be pickled alone."""
+    for index in block:
+        try:
+            protocol.dumps_code(env_fns[index])
         except Exception as error:
             raise ValueError(
                 f"env_fns[{index}] cannot be pickled ({type(error).__name__}: {error}); "
                 "env factories must be picklable to reach the workers"
             ) from error
-        pickled[id(env_fn)] = held.setdefault(data, data)
-    fields = []
-    for block in blocks:
-        pickles: list[bytes] = []
-        pickle_of: dict[int, int] = {}  # by id of the bytes object
-        factory_pickles: list[int] = []
-        factory_of: dict[int, int] = {}  # by id of the factory object
-        env_factories = []
-        for index in block:
-            key = id(env_fns[index])
-            if key not in factory_of:
-                data = pickled[key]
-                if id(data) not in pickle_of:
-                    pickle_of[id(data)] = len(pickles)
-                    pickles.append(data)
-                factory_of[key] = len(factory_pickles)
-                factory_pickles.append(pickle_of[id(data)])
-            env_factories.append(factory_of[key])
-        fields.append((pickles, factory_pickles, env_factories))
-    return fields
 
 
 def _reply_timeout(request_type: type | None, timeout: float) -> float:
@@ -1024,6 +1030,10 @@ def _read_reply(
         keep(worker, request_type, status, result)
 
 
+def _warn_close_timeout(what: str) -> None:
+    warnings.warn(f"{what}; its worker was ended", CloseTimeoutWarning, stacklevel=user_stacklevel())
+
+
 def _shutdown(
     transport: Transport, awaiting: dict[int, type | None], reply_arrays: dict[int, list], timeout: float, owner: int
 ) -> EnvError | None:
@@ -1073,7 +1083,13 @@ def _shutdown(
                 # A pending reply first, so the close reply is the next one; Ctrl-C in the receive
                 # of its rows or arrays waits for them (until the deadline), as in the pool's calls.
                 if worker in awaiting:
-                    _read_reply(transport, worker, awaiting.pop(worker), remaining(), reply_arrays.pop(worker, None))
+                    request_type = awaiting.pop(worker)
+                    try:
+                        _read_reply(transport, worker, request_type, remaining(), reply_arrays.pop(worker, None))
+                    except WorkerTimeoutError:
+                        doing = "a step" if request_type is None else f"a {request_type.__name__} request"
+                        _warn_close_timeout(f"worker {worker} was still in {doing} {_CLOSE_TIMEOUT:g} s after close() began")
+                        raise
                 if worker not in asked:
                     transport.send(worker, protocol.Close())
                     asked[worker] = time.monotonic()
@@ -1082,9 +1098,18 @@ def _shutdown(
                 asked.pop(worker, None)  # its pending reply never came: no close reply to wait for
         deadline = time.monotonic() + max(timeout, _CLOSE_TIMEOUT)
         for worker, asked_at in asked.items():
+            closing = None  # the env whose close() the worker started last
+            # A receive's timeout counts from its last contact: to the deadline from there.
+            last_contact = asked_at
             try:
-                # A receive's timeout counts from the request (its last contact): to the deadline from there.
-                status, result = transport.recv(worker, max(deadline - asked_at, 0.01))
+                status, result = transport.recv(worker, max(deadline - last_contact, 0.01))
+                while status == PROGRESS:
+                    closing, last_contact = result, time.monotonic()
+                    status, result = transport.recv(worker, max(deadline - last_contact, 0.01))
+            except WorkerTimeoutError:
+                what = f"env {closing}" if closing is not None else "its envs"
+                _warn_close_timeout(f"{what} on worker {worker} did not finish close() within {time.monotonic() - asked_at:.3g} s")
+                continue
             except ClusterEnvError:
                 continue
             closed.add(worker)

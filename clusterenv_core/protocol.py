@@ -71,12 +71,11 @@ class Request:
 class Init(Request):
     """Build the block's envs; the reply is :class:`BlockDescription`."""
 
-    # The block's env factories: each distinct pickle once (``[make] * n`` with ``make`` closing over
-    # a large array travels once), each distinct factory object unpickled once (as DummyVecEnv calls
-    # the one object it was given for each env), and which factory builds each env of the block.
-    pickles: list[bytes]  # cloudpickled factories, equal pickles once
-    factory_pickles: list[int]  # per distinct factory object of the block: its pickle
-    env_factories: list[int]  # per env of the block: its factory object
+    # The block's env factories: its distinct factory objects pickled together, so that what they
+    # share (a factory given for several envs, an array they close over) travels and is unpickled
+    # once, as the learner holds it once; and the factory of each env of the block.
+    env_fns: bytes  # cloudpickled list of the block's distinct factories, in the order of first use
+    env_factories: list[int]  # per env of the block: its factory in that list
     first_index: int  # global index of the block's first env
     autoreset_mode: str
     max_env_restarts: int  # how often one env that raises in step may be rebuilt (0: never)
@@ -212,7 +211,8 @@ class IsWrapped(Request):
 
 @dataclass(frozen=True)
 class Close(Request):
-    """Close the envs and exit after replying."""
+    """Close the envs and exit after replying; a ``(PROGRESS, env_index)`` reply comes before each
+    env's ``close()``."""
 
 
 # Replies.

@@ -472,9 +472,15 @@ class EnvBlock:
             results.append(found)
         return results
 
-    def close(self) -> None:
+    def close(self, starting: Callable[[int], None] | None = None) -> None:
+        """Close every env, the first error raised once all were closed.
+
+        :param starting: called with each env's index before its ``close()``
+        """
         errors = []
         for slot, env in enumerate(self.envs):
+            if starting is not None:
+                starting(self.first_index + slot)
             try:
                 env.close()
             except BaseException as error:
@@ -607,13 +613,12 @@ class Worker:
         except Exception as error:
             raise RemoteFailure(None, "taking over the learner's import path and warning filters", error) from error
         registry.install(request.registry)
-        factories = []
-        for pickle_index in request.factory_pickles:
-            try:
-                factories.append(pickle.loads(request.pickles[pickle_index]))
-            except Exception as error:
-                slot = request.env_factories.index(len(factories))
-                raise RemoteFailure(slot, "unpickling the env factory", error) from error
+        try:
+            factories = pickle.loads(request.env_fns)
+        except Exception as error:
+            # One factory for the whole block: it is that of the block's first env.
+            slot = 0 if max(request.env_factories) == 0 else None
+            raise RemoteFailure(slot, "unpickling the env factory", error) from error
         env_fns = [factories[factory] for factory in request.env_factories]
         self.block = EnvBlock(
             env_fns,
@@ -699,7 +704,8 @@ class Worker:
     def close(self, request: protocol.Close) -> None:
         block, self.block = self.block, None
         if block is not None:
-            block.close()
+            # Which env is closing, so that a close() that hangs can be named at the learner.
+            block.close(lambda index: self.connection.send((PROGRESS, index)))
 
 
 HANDLERS: dict[type, Callable[[Worker, Any], Any]] = {

@@ -32,6 +32,7 @@ def two_cores_two_threads(monkeypatch):
 
 def _make_pool(num_workers: int, **options) -> list[warnings.WarningMessage]:
     """Build and close a pool of ``num_workers`` workers; the LearnerThreadsWarnings it gave."""
+    learner_threads._warned = False  # it warns once per process
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pool = EnvPool([CARTPOLE] * 4, num_workers=num_workers, **options)
@@ -70,6 +71,7 @@ def test_sb3_adapter_points_the_warning_at_the_caller(two_cores_two_threads):
     pytest.importorskip("stable_baselines3")
     from clusterenv_sb3 import ClusterVecEnv
 
+    learner_threads._warned = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ClusterVecEnv([CARTPOLE] * 2).close()

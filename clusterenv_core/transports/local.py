@@ -53,6 +53,7 @@ _LIVENESS_INTERVAL = 0.25  # seconds between checks that a silent worker process
 # closes its envs) before it is ended: an env that hangs, or a thread it left running, would keep
 # it forever.
 _ORPHAN_GRACE = 10.0
+_KEPT_BUFFER = 1 << 16  # bytes of a receive buffer kept between messages
 _IMPORT_TIMEOUT = 60.0  # at least this long for the fork server to import the workers' modules: slow is not stuck
 
 
@@ -84,7 +85,7 @@ class _MessageSocket:
         self.receiver = receiver
         self.spin = spin
         self.last_contact = time.monotonic()  # of the last message sent or received: timeouts count from it
-        self._buffer = bytearray(1 << 16)
+        self._buffer = bytearray(_KEPT_BUFFER)
         self._start = 0  # buffered bytes not yet returned: self._buffer[self._start : self._end]
         self._end = 0
         self._poller = select.poll()
@@ -111,6 +112,8 @@ class _MessageSocket:
         """Wait for bytes (until ``deadline``, if any) and append what arrived to the buffer."""
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._buffer) > _KEPT_BUFFER:
+                self._buffer = bytearray(_KEPT_BUFFER)  # a large message (an env factory) is not kept
         elif self._start > 0:  # move the partial message to the front
             pending = self._end - self._start
             self._buffer[:pending] = self._buffer[self._start : self._end]
