@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from clusterenv_core.errors import (
-    ClusterEnvError,
     CloseTimeoutWarning,
+    ClusterEnvError,
     EnvAttributeError,
     EnvError,
     EnvTypeError,

@@ -30,10 +30,13 @@ import warnings
 from dataclasses import dataclass
 
 
-def interpreter_flags() -> list[str]:
-    """The command-line options that give a new interpreter this one's settings: ``-O``, ``-B``,
-    ``-I``/``-E``/``-s``, ``-W ...``, ``-X dev`` and the other ``-X`` options that ``sys`` records
-    (what ``multiprocessing`` passes to the interpreters it spawns)."""
+def interpreter_flags(python: str) -> list[str]:
+    """The command-line options that give the interpreter ``python`` this one's settings, when it is
+    this interpreter: ``-O``, ``-B``, ``-I``/``-E``/``-s``, ``-W ...``, ``-X dev`` and the other
+    ``-X`` options that ``sys`` records (what ``multiprocessing`` passes to the interpreters it
+    spawns). Another interpreter gets none: its options may differ."""
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        return []
     return [flag for flag in subprocess._args_from_interpreter_flags() if flag != "-P"]
 
 
@@ -49,7 +52,7 @@ def child_command(python: str, module: str, arguments: list[str]) -> list[str]:
     """
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         # -P: with -c, no working directory in front of the path set below (Python 3.11+).
-        flags, path = [*interpreter_flags(), *(["-P"] if sys.version_info >= (3, 11) else [])], list(sys.path)
+        flags, path = [*interpreter_flags(python), *(["-P"] if sys.version_info >= (3, 11) else [])], list(sys.path)
     else:
         flags, path = [], [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     return [python, *flags, "-c", _BOOTSTRAP, module, json.dumps(path), *arguments]
@@ -64,12 +67,16 @@ _BOOTSTRAP = (
 )
 
 
+def site_roots() -> list[str]:
+    """The directories installed packages live in (site-packages, the user's), each ending in a separator."""
+    return sorted({os.path.realpath(root) + os.sep for root in (*site.getsitepackages(), site.getusersitepackages())})
+
+
 def _installed_roots() -> list[str]:
     """Where installed packages and the standard library live: modules from there are the same on
     every worker of this interpreter, and never worth pinning to a file."""
-    roots = [*site.getsitepackages(), site.getusersitepackages()]
-    roots += [sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
-    return sorted({os.path.realpath(root) + os.sep for root in roots if root})
+    stdlib = [sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
+    return sorted({*site_roots(), *(os.path.realpath(root) + os.sep for root in stdlib if root)})
 
 
 def user_module_files(names: list[str]) -> dict[str, tuple[str, list[str] | None]]:

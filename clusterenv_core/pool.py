@@ -27,8 +27,8 @@ from clusterenv_core.buffers import BatchSpec
 from clusterenv_core.checks import check_bool, check_indices, check_int, check_names, check_seconds, per_env_values
 from clusterenv_core.errors import (
     ENV_ERROR_CLASSES,
-    ClusterEnvError,
     CloseTimeoutWarning,
+    ClusterEnvError,
     EnvError,
     WorkerLostError,
     WorkerTimeoutError,
@@ -194,7 +194,6 @@ class EnvPool(NotCopyable, DeprecatedPoolMethods):
             )
             for worker, block in enumerate(self.blocks)
         ]
-        del pickled_blocks
 
         self._transport: Transport = transport
         # Per worker whose reply is still unread: the type of its request (None: a step).

@@ -451,6 +451,7 @@ def test_a_close_cut_short_by_a_hanging_env_close_names_env_worker_and_time(tmp_
 
 def test_backend_options_reach_the_backend_from_every_adapter():
     import gymnasium as gym
+
     from clusterenv_cleanrl import ClusterVectorEnv
     from clusterenv_sb3 import ClusterVecEnv
 

@@ -31,7 +31,6 @@ import os
 import pickle
 import select
 import signal
-import site
 import socket
 import struct
 import subprocess
@@ -40,7 +39,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from clusterenv_core.interpreter import child_command, interpreter_flags
+from clusterenv_core.interpreter import child_command, interpreter_flags, site_roots
 
 #: seconds the fork server lingers without a worker before it ends (pools opened one after another,
 #: as in a test suite or an eval env after a training env, reuse it)
@@ -187,11 +186,11 @@ def installed(modules: Sequence[str]) -> list[str]:
     run code of theirs when imported, which may build a pool or start threads (a fork then copies
     their locks held), and are cheap to import in each worker anyway.
     """
-    roots = {os.path.realpath(path) for path in (*site.getsitepackages(), site.getusersitepackages())}
+    roots = site_roots()
     chosen = []
     for module in modules:
         path = getattr(sys.modules.get(module.split(".")[0]), "__file__", None)
-        if path and any(os.path.realpath(path).startswith(root + os.sep) for root in roots):
+        if path and any(os.path.realpath(path).startswith(root) for root in roots):
             chosen.append(module)
     return chosen
 
@@ -225,7 +224,7 @@ def launch_worker(
     # they name it, also when an earlier pool's server imported it. And per flags and import path,
     # which its workers inherit and its imports followed.
     packages = sorted({module.split(".")[0] for module in modules})
-    key = (python, *interpreter_flags(), "", *sys.path, "", *packages)
+    key = (python, *interpreter_flags(python), "", *sys.path, "", *packages)
     with _servers_lock:
         for attempt in range(2):
             server = _servers.get(key)

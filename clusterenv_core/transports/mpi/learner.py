@@ -203,8 +203,7 @@ class MPITransport(Transport):
             for key, value in self.spawn_info.items():
                 info.Set(str(key), str(value))
             # The learner's interpreter flags (-W, -X dev, -O, ...), as the local backend's workers get them.
-            same_python = os.path.realpath(self.python) == os.path.realpath(sys.executable)
-            args = [*(interpreter_flags() if same_python else []), "-m", "clusterenv_core.worker", "mpi", "spawn"]
+            args = [*interpreter_flags(self.python), "-m", "clusterenv_core.worker", "mpi", "spawn"]
             with process_manager(self.mpiexec, self.isolate):
                 self.comm = MPI.COMM_SELF.Spawn(self.python, args, maxprocs=num_workers, info=info)
         finally:
