@@ -258,6 +258,25 @@ def test_no_resource_warning_under_dev_mode(tmp_path, backend):
     assert "ResourceWarning" not in result.stderr, result.stderr[-3000:]
 
 
+def test_a_fork_server_that_ends_with_its_learner_leaves_no_resource_warning(tmp_path):
+    """The server runs with the learner's flags: when it reads end-of-file (the learner gone, or a
+    close() racing the kill that follows) it closes its own socket, under -X dev too."""
+    script = write(
+        tmp_path / "server_eof.py",
+        """
+        import os, sys
+        from clusterenv_core.transports.fork_server import ForkServer
+
+        server = ForkServer(sys.executable, dict(os.environ))
+        server.control.close()
+        print("server exit", server.process.wait(30))
+        """,
+    )
+    result = run_script(script, flags=("-X", "dev", "-W", "error::ResourceWarning"))
+    assert "server exit 0" in result.stdout, result.stderr[-3000:]
+    assert "ResourceWarning" not in result.stderr, result.stderr[-3000:]
+
+
 # -- 4. env helper processes die with their worker ----------------------------------------------------
 
 

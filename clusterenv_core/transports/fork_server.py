@@ -268,8 +268,10 @@ def _serve(control: socket.socket) -> None:
                 idle_since = time.monotonic()
         if control in readable:
             message, fds, _, _ = socket.recv_fds(control, _MAX_MESSAGE, _REQUEST_FDS)
-            if not message:
-                return  # the learner is gone
+            if not message:  # the learner is gone; its workers watch it themselves
+                for status in statuses.values():
+                    status.close()
+                return
             spin, learner, cwd, env, modules = pickle.loads(message)
             for module in modules:
                 if module not in imported:
@@ -358,4 +360,7 @@ def _reap(statuses: dict[int, socket.socket]) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _serve(socket.socket(fileno=int(sys.argv[1])))
+    # Closed on the way out: the server runs with the learner's flags, and under -X dev an unclosed
+    # socket is a ResourceWarning on the learner's stderr.
+    with socket.socket(fileno=int(sys.argv[1])) as control:
+        _serve(control)
