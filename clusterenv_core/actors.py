@@ -5,81 +5,85 @@
 publishes new weights as versioned flat vectors and collects rollout segments: each worker steps
 its block of envs with its own copy for ``n_steps`` and writes the segment into a region the
 learner reads (shared memory locally, one buffer message per worker on MPI). It talks to the
-workers through the pool's messaging, so timeouts and errors are the pool's.
+workers through the pool's :class:`~clusterenv_core.channel.WorkerChannel`, so timeouts, errors
+and the pool's state are the pool's.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clusterenv_core import protocol
 from clusterenv_core.buffers import field_views, fields_nbytes
+from clusterenv_core.channel import PoolState
 from clusterenv_core.checks import check_int, check_seconds
 from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time_major
 
 if TYPE_CHECKING:
-    from clusterenv_core.pool import EnvPool
+    from clusterenv_core.channel import WorkerChannel
+    from clusterenv_core.restarts import WorkerRestarts
 
 # The seeds torch.manual_seed takes (it refuses others with "Overflow when unpacking long long").
 _TORCH_SEED_MIN, _TORCH_SEED_MAX = -(2**63), 2**64 - 1
 
 
 class WorkerActors:
-    """A policy deployed on every worker of ``pool``, with weights version 0.
+    """A policy deployed on every worker of a pool, with weights version 0; made by
+    :meth:`EnvPool.deploy <clusterenv_core.pool.EnvPool.deploy>`.
 
-    :param pool: the pool whose workers get the policy
+    :param channel: the pool's messaging, whose workers get the policy
     :param policy: a deployable module (``act`` and ``action_dist``, see :mod:`clusterenv_core.inference`)
     :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
+    :param restarts: the pool's worker replacements (``restart_failed_workers``), if on
     :raises ValueError: the spaces have no buffers, or the action space is not one array, or the
         policy cannot be pickled, or ``seed + w`` is no torch seed for some worker ``w``
     :raises TypeError: the policy lacks ``act`` or ``action_dist``, or ``seed`` is no int
     :raises EnvError: a worker could not take the policy; then no policy is deployed on the pool
-        (``pool.actors`` is ``None``), since the workers that took it would act with another
+        (the pool's ``actors`` is ``None``), since the workers that took it would act with another
         policy than the rest
     """
 
-    def __init__(self, pool: EnvPool, policy: Any, seed: int | None = None) -> None:
+    def __init__(
+        self, channel: WorkerChannel, policy: Any, seed: int | None = None, restarts: WorkerRestarts | None = None
+    ) -> None:
         from clusterenv_core.inference import WeightsRegion, flatten_weights, weight_tensors, weights_fields
 
-        pool._check_usable()
-        pool._check_not_stepping()
-        layouts = pool.buffers
+        channel.check_usable()
+        channel.check_idle()
+        layouts = channel.buffers
         if not layouts.obs_layout.buffered or len(layouts.act_layout.fields) != 1:
+            spec = channel.batch_spec
             raise ValueError(
                 "worker-side inference needs an observation space with buffers and a single-array action "
-                f"space (Box, Discrete, MultiDiscrete, MultiBinary); got {pool.observation_space}, {pool.action_space}"
+                f"space (Box, Discrete, MultiDiscrete, MultiBinary); got {spec.observation_space}, {spec.action_space}"
             )
         for method in ("act", "action_dist"):
             if not callable(getattr(policy, method, None)):
                 raise TypeError(f"the policy must have an {method}() method (see clusterenv_core.inference)")
         if seed is not None:
-            seed = _check_seed(seed, pool.num_workers)
+            seed = _check_seed(seed, channel.num_workers)
         try:
             policy_bytes = protocol.dumps_code(policy)
         except Exception as error:
             raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
-        pool._drain()
-        self.pool = pool
+        channel.drain()
+        self.channel = channel
+        self._restarts = restarts
         self._policy_bytes = policy_bytes  # for the replacement of a worker lost during a segment
         self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
         self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
         self._pending_requests: list[protocol.Rollout] = []  # its request to each worker
-        self._pending_timeout = pool.timeout
+        self._pending_timeout = channel.timeout
         # Why each worker of the pending rollout was replaced (cleared when the next one starts).
         self._restart_reasons: dict[int, str] = {}
-        #: rollout_wait was interrupted with replies unread
-        self.wait_interrupted = False
-        transport = pool._transport
         flat = flatten_weights(policy)
         self._weight_shapes = [tuple(tensor.shape) for tensor in weight_tensors(policy)]
         fields = weights_fields(flat.size)
-        handle, memory = transport.share_region(fields_nbytes(fields, 1))
+        handle, memory = channel.share_region(fields_nbytes(fields, 1))
         self._weights_handle = handle
         self.weights = WeightsRegion(field_views(fields, 1, memory))
         #: version of the last published weights (0: those deployed)
@@ -92,42 +96,47 @@ class WorkerActors:
         except BaseException:
             self.release()  # a failed deploy's regions would otherwise stay as long as its traceback
             raise
-        self._delivered_version = [self.policy_version] * pool.num_workers  # backends without shared memory
+        self._delivered_version = [self.policy_version] * channel.num_workers  # backends without shared memory
 
     def _deploy(self, policy_bytes: bytes, seed: int | None) -> None:
         """Send the policy and the weights to every worker and wait until each took it."""
-        pool = self.pool
+        channel = self.channel
         # From the first request on, a worker may hold this policy or the previous one: the previous
         # WorkerActors must not act any more (_check_current), and none does until every worker took
         # this one. It has no use for its regions from now on.
-        previous, pool.actors = pool.actors, None
+        previous, channel.deployed = channel.deployed, None
         if previous is not None:
             previous.release()
-        for worker in range(pool.num_workers):
+        for worker in range(channel.num_workers):
             self._send_policy(worker, policy_bytes, None if seed is None else seed + worker)
         took: list[int] = []
         try:
-            pool._gather(range(pool.num_workers), "deploying the policy", on_reply=lambda worker, _: took.append(worker))
+            channel.gather(
+                range(channel.num_workers), "deploying the policy", on_reply=lambda worker, _: took.append(worker)
+            )
         except EnvError as error:
             raise _deploy_error(error, took) from None
+        channel.deployed = self
 
     def _send_policy(self, worker: int, policy_bytes: bytes, seed: int | None) -> None:
         """Send the policy and, to a worker that does not share the learner's memory, the weights."""
-        transport = self.pool._transport
-        deliver = not transport.shares_memory
+        deliver = not self.channel.shares_memory
         request = protocol.Deploy(policy_bytes, self._weights_handle, self.weights.weights.size, seed, deliver)
-        self.pool._send(worker, request)
-        if deliver:
-            transport.send_arrays(worker, self.weights.arrays)
+        self.channel.send(worker, request, arrays=self.weights.arrays if deliver else None)
 
     @property
     def num_workers(self) -> int:
-        return self.pool.num_workers
+        return self.channel.num_workers
 
     @property
     def pending(self) -> bool:
         """Whether a rollout was started and not waited for."""
         return self._pending is not None
+
+    @property
+    def wait_interrupted(self) -> bool:
+        """Whether Ctrl-C cut :meth:`rollout_wait` short with the segment unfinished."""
+        return self._pending is not None and self.channel.interrupted
 
     def publish_weights(self, policy_or_weights: Any) -> int:
         """Publish new weights (a module like the deployed one, or a flat float32 vector) to the
@@ -135,7 +144,7 @@ class WorkerActors:
         with their next rollout request (other backends)."""
         from clusterenv_core.inference import flatten_weights, weight_tensors
 
-        if self.pool.closed:
+        if self.channel.closed:
             raise ClusterEnvError("the pool is closed")
         self._check_current()
         if isinstance(policy_or_weights, np.ndarray):
@@ -162,32 +171,33 @@ class WorkerActors:
         :param timeout: seconds a worker may go without progress (default: the pool's ``timeout``).
             A segment may take as long as it needs: workers report progress every quarter of it.
         """
-        pool = self.pool
-        pool._check_usable()
-        pool._check_not_stepping()
+        channel = self.channel
+        channel.check_usable()
+        channel.check_idle()
         self._check_current()
         n_steps = check_int("n_steps", n_steps, minimum=1)
-        timeout = pool.timeout if timeout is None else check_seconds("timeout", timeout)
-        pool._drain()
+        timeout = channel.timeout if timeout is None else check_seconds("timeout", timeout)
+        channel.drain()
         region = self._region(n_steps)
         requests = [
-            protocol.Rollout(n_steps, dict(context or {}), region.handle, block, pool.num_envs, timeout / 4)
-            for block in pool.blocks
+            protocol.Rollout(n_steps, dict(context or {}), region.handle, block, channel.num_envs, timeout / 4)
+            for block in channel.blocks
         ]
-        for worker in range(pool.num_workers):
+        for worker in range(channel.num_workers):
             self._deliver_weights(worker)
             # A worker lost from here on is replaced in rollout_wait (restart_failed_workers), else fatal.
             self._send_segment_request(worker, region, requests[worker], step=True)
         self._pending, self._pending_requests = region, requests
         self._pending_timeout = timeout
         self._restart_reasons = {}
+        channel.begin(PoolState.ROLLOUT, self.rollout_wait)
 
     def _send_segment_request(
         self, worker: int, region: RolloutArrays, request: protocol.Rollout, step: bool = False
     ) -> None:
-        block = self.pool.blocks[worker]
+        block = self.channel.blocks[worker]
         arrays = [array[block.start : block.stop] for array in region.all]
-        self.pool._send(worker, request, reply_arrays=arrays, step=step)
+        self.channel.send(worker, request, reply_arrays=arrays, step=step)
 
     def rollout_wait(self, timeout: float | None = None) -> Rollout:
         """Wait for the segment started by :meth:`rollout_async`.
@@ -195,29 +205,27 @@ class WorkerActors:
         :param timeout: seconds a worker may go without progress (default: the one given to
             :meth:`rollout_async`); a worker that stops stepping raises ``WorkerTimeoutError``
         """
-        pool = self.pool
-        pool._check_usable()
+        channel = self.channel
+        channel.check_usable()
         self._check_current()
         region = self._pending
-        if region is None:
+        if region is None or channel.state is not PoolState.ROLLOUT:
             raise ClusterEnvError("rollout_wait called without rollout_async")
         timeout = self._pending_timeout if timeout is None else check_seconds("timeout", timeout)
-        restarter = pool._restarter
-        lost = restarter.lost if restarter is not None else {}
+        lost = channel.lost
         try:
             # With the replies read before Ctrl-C cut an earlier wait for this segment short.
-            collecting = sorted({*pool._awaiting, *pool._read_replies}.difference(lost))
-            results = pool._gather(collecting, "rollout", step=True, timeout=timeout)
+            results = channel.gather(channel.answering(), "rollout", step=True, timeout=timeout)
             while lost:  # workers lost during the segment (restart_failed_workers): replacements collect their part
                 replacing = sorted(lost)
-                restarter.replace_lost_in_segment(self._restart_segment)
-                results.update(pool._gather(replacing, "rollout", step=True, timeout=timeout))
+                self._restarts.replace_lost_in_segment(self._restart_segment)
+                results.update(channel.gather(replacing, "rollout", step=True, timeout=timeout))
         finally:
             # Interrupted (Ctrl-C) with replies unread or unreported, or a lost worker not replaced
             # yet, the rollout stays pending: rollout_wait resumes it, and any other call of the pool
             # first finishes it.
-            self.wait_interrupted = bool(pool._awaiting or pool._read_replies or lost)
-            if not self.wait_interrupted:
+            channel.settle_wait()
+            if channel.state is PoolState.IDLE:
                 self._pending = None
         n_steps = region.rewards.shape[1]
         infos: list[dict[int, dict]] = [{} for _ in range(n_steps)]
@@ -230,12 +238,12 @@ class WorkerActors:
                 pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
         restarted_envs = []
         for worker, reason in sorted(self._restart_reasons.items()):
-            for index in pool.blocks[worker]:
+            for index in channel.blocks[worker]:
                 restarted_envs.append(index)
                 info = infos[0].get(index, {})
                 said = reason if RESTART_INFO_KEY not in info else f"{reason}; then {info[RESTART_INFO_KEY]}"
                 infos[0][index] = {**info, RESTART_INFO_KEY: said}
-        obs_layout, act_layout = pool.buffers.obs_layout, pool.buffers.act_layout
+        obs_layout, act_layout = channel.buffers.obs_layout, channel.buffers.act_layout
         return Rollout(
             obs=time_major(obs_layout, region.obs),
             actions=time_major(act_layout, region.actions),
@@ -273,15 +281,15 @@ class WorkerActors:
         self._regions = {}
         self._pending = None
         for handle in handles:
-            self.pool._transport.release_region(handle)
+            self.channel.release_region(handle)
 
     def _check_current(self) -> None:
         """A later ``deploy`` replaced this policy on the workers, or some of them: acting through
         this object would collect with the other policy, and its weights would reach no worker."""
-        if self.pool.actors is not self:
+        if self.channel.deployed is not self:
             why = (
                 "a later deploy() replaced it on the workers"
-                if self.pool.actors is not None
+                if self.channel.deployed is not None
                 else "a later deploy() failed once sent, so each worker holds either policy"
             )
             raise ClusterEnvError(
@@ -293,11 +301,11 @@ class WorkerActors:
         the previous one is still being read."""
         slots = self._regions.setdefault(n_steps, [])
         if len(slots) < 2:
-            pool = self.pool
-            fields = rollout_fields(pool.batch_spec, n_steps)
-            handle, memory = pool._transport.share_region(fields_nbytes(fields, pool.num_envs))
-            buffers = pool.buffers
-            views = field_views(fields, pool.num_envs, memory)
+            channel = self.channel
+            fields = rollout_fields(channel.batch_spec, n_steps)
+            handle, memory = channel.share_region(fields_nbytes(fields, channel.num_envs))
+            buffers = channel.buffers
+            views = field_views(fields, channel.num_envs, memory)
             region = RolloutArrays(views, buffers.obs_layout, buffers.act_layout, handle=handle)
             slots.insert(0, region)
             return region
@@ -308,7 +316,7 @@ class WorkerActors:
         """Give the policy, with the current weights, to a worker that replaced a lost one
         (``restart_failed_workers``). Its copy samples unseeded, as its envs start unseeded."""
         self._send_policy(worker, self._policy_bytes, None)
-        self.pool._gather([worker], "deploying the policy on a replaced worker")
+        self.channel.gather([worker], "deploying the policy on a replaced worker")
         self._delivered_version[worker] = self.policy_version
 
     def _restart_segment(self, worker: int, reason: str) -> None:
@@ -317,12 +325,11 @@ class WorkerActors:
         self._send_segment_request(worker, self._pending, self._pending_requests[worker])
 
     def _deliver_weights(self, worker: int) -> None:
-        pool = self.pool
-        if pool._transport.shares_memory or self._delivered_version[worker] == self.policy_version:
+        channel = self.channel
+        if channel.shares_memory or self._delivered_version[worker] == self.policy_version:
             return
-        pool._send(worker, protocol.Weights())
-        pool._transport.send_arrays(worker, self.weights.arrays)
-        pool._gather([worker], "delivering weights")
+        channel.send(worker, protocol.Weights(), arrays=self.weights.arrays)
+        channel.gather([worker], "delivering weights")
         self._delivered_version[worker] = self.policy_version
 
 
@@ -349,45 +356,3 @@ def _deploy_error(error: EnvError, took: list[int]) -> EnvError:
     return type(error)(
         error.env_index, error.worker_index, what, error.exc_type, error.remote_message, error.remote_traceback
     )
-
-
-def _warn_moved(name: str) -> None:
-    warnings.warn(
-        f"EnvPool.{name} is deprecated: use the WorkerActors that deploy() returns (actors.{name})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def _moved_to_actors(name: str) -> Callable:
-    """A pool method that forwards to the deployed :class:`WorkerActors`, with a deprecation warning."""
-
-    def forward(self: DeprecatedPoolMethods, *args: Any, **kwargs: Any) -> Any:
-        _warn_moved(name)
-        if self.actors is None:
-            raise ClusterEnvError("no policy deployed: call deploy first")
-        return getattr(self.actors, name)(*args, **kwargs)
-
-    forward.__name__ = name
-    forward.__doc__ = f"Deprecated: ``pool.deploy(...).{name}(...)``."
-    return forward
-
-
-class DeprecatedPoolMethods:
-    """The worker-side inference calls :class:`~clusterenv_core.pool.EnvPool` had before
-    :class:`WorkerActors` existed: each warns and forwards to ``pool.actors``."""
-
-    actors: WorkerActors | None
-
-    rollout = _moved_to_actors("rollout")
-    rollout_async = _moved_to_actors("rollout_async")
-    rollout_wait = _moved_to_actors("rollout_wait")
-    publish_weights = _moved_to_actors("publish_weights")
-
-    @property
-    def policy_version(self) -> int:
-        """Deprecated: :attr:`WorkerActors.policy_version` (-1 before a policy is deployed)."""
-        if self.actors is None:
-            return -1
-        _warn_moved("policy_version")
-        return self.actors.policy_version

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clusterenv_core import protocol
+from clusterenv_core.channel import PoolState, WorkerChannel
 from clusterenv_core.checks import check_int, check_names, is_int
-from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
-from clusterenv_core.results import BatchResult
+from clusterenv_core.errors import ClusterEnvError, EnvError
+from clusterenv_core.results import BatchResult, ResetResult
 
 if TYPE_CHECKING:
-    from clusterenv_core.pool import EnvPool
+    from clusterenv_core.restarts import WorkerRestarts
 
 
 def _check_batch_size_fits_blocks(batch_size: int, block_sizes: list[int]) -> None:
@@ -58,37 +59,51 @@ def _check_batch_size_fits_blocks(batch_size: int, block_sizes: list[int]) -> No
 
 
 class AsyncBatches:
-    """Asynchronous stepping of a pool's envs in batches of ``batch_size``.
+    """Asynchronous stepping of a pool's envs in batches of ``batch_size``; made by
+    :meth:`EnvPool.async_batches <clusterenv_core.pool.EnvPool.async_batches>`.
 
-    :param pool: a pool made with ``autoreset_mode="next_step"`` whose spaces have buffers (no
-        Text/Graph/Sequence or custom spaces), with no step pending
+    :param channel: the messaging of a pool whose spaces have buffers (no Text/Graph/Sequence or
+        custom spaces), with no step pending
     :param batch_size: how many envs each :meth:`recv` returns: a divisor of every worker's block,
         a multiple of the block when the blocks are equal (which keeps every worker busy), or all the
         envs; others are refused, as they could leave envs that no batch returns (a block steps
         once all its envs have actions)
+    :param autoreset_mode: the pool's: it must be ``"next_step"``
+    :param reset_pool: the pool's ``reset``
+    :param restarts: the pool's worker replacements (``restart_failed_workers``), if on
     """
 
-    def __init__(self, pool: EnvPool, batch_size: int) -> None:
+    def __init__(
+        self,
+        channel: WorkerChannel,
+        batch_size: int,
+        autoreset_mode: str,
+        reset_pool: Callable[..., ResetResult],
+        restarts: WorkerRestarts | None = None,
+    ) -> None:
         batch_size = check_int("batch_size", batch_size, minimum=1)
-        if batch_size > pool.num_envs:
-            raise ValueError(f"batch_size must be at most num_envs={pool.num_envs}, got {batch_size}")
-        _check_batch_size_fits_blocks(batch_size, [len(block) for block in pool.blocks])
-        if pool.autoreset_mode != "next_step":
+        if batch_size > channel.num_envs:
+            raise ValueError(f"batch_size must be at most num_envs={channel.num_envs}, got {batch_size}")
+        _check_batch_size_fits_blocks(batch_size, [len(block) for block in channel.blocks])
+        if autoreset_mode != "next_step":
             raise ValueError(
                 f"asynchronous batches reset episodes in the next step: make the pool with "
-                f"autoreset_mode='next_step' (it has {pool.autoreset_mode!r})"
+                f"autoreset_mode='next_step' (it has {autoreset_mode!r})"
             )
-        buffers = pool.buffers
+        buffers = channel.buffers
         if not (buffers.obs_layout.buffered and buffers.act_layout.buffered):
+            spec = channel.batch_spec
             raise ValueError(
                 "asynchronous batches need observation and action spaces that fit in buffers "
-                f"(got {pool.observation_space} and {pool.action_space})"
+                f"(got {spec.observation_space} and {spec.action_space})"
             )
-        pool._check_usable()
-        pool._check_not_stepping()
-        self.pool = pool
+        channel.check_usable()
+        channel.check_idle()
+        self.channel = channel
+        self._reset_pool = reset_pool
+        self._restarts = restarts
         self.batch_size = batch_size
-        num_envs = pool.num_envs
+        num_envs = channel.num_envs
         self._ready: deque[int] = deque()  # envs whose results are in and not yet returned, oldest first
         self._returned = np.zeros(num_envs, dtype=bool)  # returned by recv, waiting for their action
         self._has_action = np.zeros(num_envs, dtype=bool)  # sent an action, their block not stepping yet
@@ -103,7 +118,7 @@ class AsyncBatches:
         self._terminated = np.empty(batch_size, dtype=bool)
         self._truncated = np.empty(batch_size, dtype=bool)
         self._env_ids = np.empty(batch_size, dtype=np.int64)
-        pool.batches = self
+        self._worker_of = np.repeat(np.arange(channel.num_workers), [len(block) for block in channel.blocks])
 
     @property
     def stepping(self) -> bool:
@@ -121,10 +136,10 @@ class AsyncBatches:
         are dropped. No worker may be stepping."""
         if self._stepping:
             raise ClusterEnvError("reset while envs are stepping: recv their results first")
-        result = self.pool.reset(seeds, options, omit_if_none=omit_if_none)
+        result = self._reset_pool(seeds, options, omit_if_none=omit_if_none)
         self._returned[:] = False
         self._has_action[:] = False
-        self._ready = deque(range(self.pool.num_envs))
+        self._ready = deque(range(self.channel.num_envs))
         self._infos = {index: info for index, info in result.infos.items()}
         self._started = True
 
@@ -137,24 +152,24 @@ class AsyncBatches:
         :param omit_if_none: as for :meth:`~clusterenv_core.pool.EnvPool.reset`: the envs get
             ``reset(seed=None, options=None)`` less the keywords named here
         """
-        pool = self.pool
-        pool._check_usable()
+        channel = self.channel
+        channel.check_usable()
         env_ids = self._check_env_ids(env_ids)
         omit_if_none = check_names("omit_if_none", omit_if_none, protocol.RESET_KEYWORDS)
-        mask = np.zeros(pool.num_envs, dtype=bool)
+        mask = np.zeros(channel.num_envs, dtype=bool)
         mask[env_ids] = True
         workers = self._workers_of(env_ids)
-        pool._drain(keep_steps=True)  # replies an interrupted call left unread come first
+        channel.drain(keep_steps=True)  # replies an interrupted call left unread come first
         for worker in workers:
-            block = pool.blocks[worker]
+            block = channel.blocks[worker]
             size = len(block)
             block_mask = mask[block.start : block.stop].tolist()
-            pool._send(worker, protocol.Reset([None] * size, [None] * size, block_mask, omit_if_none))
+            channel.send(worker, protocol.Reset([None] * size, [None] * size, block_mask, omit_if_none))
         infos: dict[int, dict] = {}
-        for parts in pool._gather(workers, "reset").values():
+        for parts in channel.gather(workers, "reset").values():
             if parts is not None:
                 infos.update(parts.get("infos", ()))
-        buffers = pool.buffers
+        buffers = channel.buffers
         obs = buffers.obs_layout.batch([np.take(array, env_ids, axis=0) for array in buffers.obs])
         return obs, infos
 
@@ -166,30 +181,31 @@ class AsyncBatches:
         :raises ValueError: an env id out of range, repeated, or of an env that is not waiting for
             an action; actions of the wrong shape or values. Nothing is sent then.
         """
-        pool = self.pool
-        pool._check_usable()
+        channel = self.channel
+        channel.check_usable()
         env_ids = self._check_env_ids(env_ids)
-        leaves = pool.buffers.act_layout.check_batch(actions, len(env_ids))
-        for buffer, leaf in zip(pool.buffers.actions, leaves):
+        buffers = channel.buffers
+        leaves = buffers.act_layout.check_batch(actions, len(env_ids))
+        for buffer, leaf in zip(buffers.actions, leaves):
             buffer[env_ids] = leaf
-        pool._drain(keep_steps=True)  # replies an interrupted call left unread come first
+        channel.drain(keep_steps=True)  # replies an interrupted call left unread come first
         self._returned[env_ids] = False
         self._has_action[env_ids] = True
         for worker in self._workers_of(env_ids):
-            block = pool.blocks[worker]
+            block = channel.blocks[worker]
             if self._has_action[block.start : block.stop].all():
                 self._start(worker)
 
     def _workers_of(self, env_ids: np.ndarray) -> list[int]:
         """The workers holding ``env_ids``, ascending (a set: cheaper than np.unique for a batch)."""
-        return sorted(set(self.pool.worker_of[env_ids].tolist()))
+        return sorted(set(self._worker_of[env_ids].tolist()))
 
     def _check_env_ids(self, env_ids: Any) -> np.ndarray:
         ids = np.asarray(env_ids)
         if ids.ndim != 1 or ids.size == 0 or not (np.issubdtype(ids.dtype, np.integer) or all(map(is_int, ids))):
             raise ValueError(f"env_ids must be a non-empty 1-d sequence of ints, got {env_ids!r}")
         ids = ids.astype(np.int64, copy=False)
-        num_envs = self.pool.num_envs
+        num_envs = self.channel.num_envs
         if ids.min() < 0 or ids.max() >= num_envs:
             outside = ids[(ids < 0) | (ids >= num_envs)]
             raise ValueError(f"env id {int(outside[0])} is out of range: the pool has envs 0..{num_envs - 1}")
@@ -201,28 +217,34 @@ class AsyncBatches:
         waiting = self._returned[ids]
         if not waiting.all():
             env = int(ids[~waiting][0])
-            why = "has its action already" if self._has_action[env] else "has not been returned by recv since its last action"
+            why = (
+                "has its action already"
+                if self._has_action[env]
+                else "has not been returned by recv since its last action"
+            )
             raise ValueError(f"env {env} {why}: send actions only to the envs recv returned")
         return ids
 
     def _start(self, worker: int) -> None:
-        pool = self.pool
-        block = pool.blocks[worker]
+        channel = self.channel
+        block = channel.blocks[worker]
         self._has_action[block.start : block.stop] = False
-        if pool._restarter is not None:
-            pool._restarter.remember_step_start(block)
+        if self._restarts is not None:
+            self._restarts.remember_step_start(block)
         # Envs get their actions in the space's dtypes, as EnvPool converts them to its own.
-        pool._set_action_dtypes(pool._space_action_dtypes, [worker], step=True)
+        channel.set_action_dtypes(channel.space_action_dtypes, [worker], step=True)
+        if not self._stepping:
+            channel.begin(PoolState.BATCHES)
         self._stepping.append(worker)
         self._started_at[worker] = time.monotonic()
-        if pool._restarter is not None and worker in pool._restarter.lost:
-            return  # lost while told the dtypes: replaced as a worker lost in its step
-        pool._awaiting[worker] = None  # before the send: see EnvPool._send
-        try:
-            pool._transport.send_step(worker)
-        except (WorkerLostError, WorkerTimeoutError) as error:
-            del pool._awaiting[worker]
-            pool._lost_in_step(worker, error)  # raises unless the worker may be replaced
+        # A worker lost while told the dtypes is not sent the step: replaced as a worker lost in its step.
+        channel.send_steps([worker])
+
+    def _stopped(self, worker: int) -> None:
+        """``worker`` stepped (or failed): the pool is idle once no worker steps."""
+        self._stepping.remove(worker)
+        if not self._stepping:
+            self.channel.end()
 
     def recv(self) -> BatchResult:
         """Wait until ``batch_size`` envs have results (no wait when enough are in) and return those
@@ -234,15 +256,14 @@ class AsyncBatches:
         :raises EnvError: an env failed in its step; its worker's envs are returned to the caller's
             side (waiting for actions, their rows undefined), the pool stays usable
         """
-        pool = self.pool
-        pool._check_usable()
+        channel = self.channel
+        channel.check_usable()
         if not self._started:
             raise ClusterEnvError("recv before reset: call reset first")
-        transport = pool._transport
         self._finish_replacements()
         self._time_out_overdue()
         while len(self._ready) < self.batch_size:
-            coming = sum(len(pool.blocks[worker]) for worker in self._stepping)
+            coming = sum(len(channel.blocks[worker]) for worker in self._stepping)
             if len(self._ready) + coming < self.batch_size:
                 waiting = np.flatnonzero(self._returned | self._has_action).tolist()
                 raise ClusterEnvError(
@@ -252,10 +273,7 @@ class AsyncBatches:
             # Up to when the oldest step exceeds the timeout: a stuck worker is found even while
             # the others keep the batches full.
             oldest = min(self._started_at[worker] for worker in self._stepping)
-            try:
-                ready = transport.wait_steps(list(self._stepping), max(oldest + pool.timeout - time.monotonic(), 0.0))
-            except (WorkerLostError, WorkerTimeoutError) as error:  # the backend saw a loss while waiting (MPI)
-                raise pool._fail(error)
+            ready = channel.wait_steps(list(self._stepping), max(oldest + channel.timeout - time.monotonic(), 0.0))
             if ready:
                 self._receive(ready)
             else:
@@ -263,7 +281,7 @@ class AsyncBatches:
         count = self.batch_size
         env_ids = self._env_ids
         env_ids[:] = sorted(self._ready.popleft() for _ in range(count))
-        buffers = pool.buffers
+        buffers = channel.buffers
         for rows, array in zip(self._obs_rows, buffers.obs):
             np.take(array, env_ids, axis=0, out=rows)
         np.take(buffers.rewards, env_ids, out=self._rewards)
@@ -279,26 +297,26 @@ class AsyncBatches:
 
     def _time_out_overdue(self) -> None:
         """A worker stepping for longer than the timeout, with no reply in, timed out."""
-        pool = self.pool
+        timeout = self.channel.timeout
         now = time.monotonic()
-        for worker in [worker for worker in self._stepping if now - self._started_at[worker] > pool.timeout]:
+        for worker in [worker for worker in self._stepping if now - self._started_at[worker] > timeout]:
             # A reply in is read; else the read raises the backend's timeout error, its time being past
             # (naming the worker's process and envs), and the worker is replaced or the pool fails.
             self._receive([worker])
 
     def _receive(self, workers: list[int]) -> None:
         """Read the step replies of ``workers``; their envs become ready, oldest step first."""
-        pool = self.pool
+        channel = self.channel
         for worker in workers:
-            block = pool.blocks[worker]
+            block = channel.blocks[worker]
             try:
-                results = pool._gather([worker], "step", step=True)
+                results = channel.gather([worker], "step", step=True)
             except EnvError:
-                self._stepping.remove(worker)
+                self._stopped(worker)
                 self._returned[block.start : block.stop] = True
                 raise
             if worker in results:  # else lost, and replaced below
-                self._stepping.remove(worker)
+                self._stopped(worker)
                 parts = results[worker] or {}
                 self._infos.update(parts.get("infos", ()))
                 self._ready.extend(block)
@@ -307,11 +325,9 @@ class AsyncBatches:
     def _finish_replacements(self) -> None:
         """Replace the lost workers (also after a replacement interrupted by Ctrl-C): their envs
         become ready with the step their replacement ends. Until then they count as stepping."""
-        pool = self.pool
-        restarter = pool._restarter
-        if restarter is None or not restarter.lost:
+        if self._restarts is None or not self.channel.lost:
             return
-        for worker, parts in restarter.replace_lost().items():
-            self._stepping.remove(worker)
+        for worker, parts in self._restarts.replace_lost().items():
+            self._stopped(worker)
             self._infos.update((parts or {}).get("infos", ()))
-            self._ready.extend(pool.blocks[worker])
+            self._ready.extend(self.channel.blocks[worker])

@@ -8,23 +8,22 @@ observation from before the step, and the reason under the info key
 and the replacement collects that block's part of the segment anew, from new episodes. Only
 backends that can replace a worker do (the local one; MPI is fail-stop). The pool holds one
 :class:`WorkerRestarts` when restarts are on and consults it only when a worker is lost, plus one
-copy per step of the observations (and, in ``next_step`` mode, of which envs the step resets).
+copy per step of the observations (and, in ``next_step`` mode, of which envs the step resets). The
+:class:`~clusterenv_core.channel.WorkerChannel` notes which workers were lost (``channel.lost``)
+and counts the replacements.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from clusterenv_core import protocol
+from clusterenv_core.channel import WorkerChannel
 from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.protocol import RESTART_INFO_KEY
-
-if TYPE_CHECKING:
-    from clusterenv_core.pool import EnvPool
 
 TakeOver = TypeVar("TakeOver")
 
@@ -32,48 +31,58 @@ TakeOver = TypeVar("TakeOver")
 class WorkerRestarts:
     """The restart bookkeeping of one pool.
 
-    :param pool: the pool whose workers are replaced (its buffers exist)
+    :param channel: the pool's messaging (its buffers exist; it was made with ``max_worker_restarts``)
+    :param autoreset_mode: the pool's
+    :param rebuild: ``rebuild(worker)`` builds a lost worker's envs on its replacement, ready to
+        step as the lost one was (buffers attached, action dtypes, a deployed policy)
+    :param current_obs: the pool's per-env observations, for spaces without buffers
     """
 
-    def __init__(self, pool: EnvPool) -> None:
-        self.pool = pool
-        self.counts = [0] * pool.num_workers  # replacements of each worker so far
-        #: workers lost during the pending step, to replace before it completes; each stays listed
-        #: until its replacement took over, so that one interrupted (Ctrl-C) is done again
-        self.lost: dict[int, ClusterEnvError] = {}
+    def __init__(
+        self,
+        channel: WorkerChannel,
+        autoreset_mode: str,
+        rebuild: Callable[[int], None],
+        current_obs: Callable[[], list],
+    ) -> None:
+        self.channel = channel
+        self.autoreset_mode = autoreset_mode
+        self._rebuild = rebuild
+        self._current_obs = current_obs
+        # Each lost worker stays in channel.lost until its replacement took over, so that one
+        # interrupted (Ctrl-C) is done again; counted once.
         self._counted: set[int] = set()  # lost workers whose replacement is counted already
         self._taken_over: dict[int, dict] = {}  # step results of replacements not yet returned
-        layout = pool.buffers.obs_layout
+        buffers = channel.buffers
         # Observations before the current step, to end the episodes of a replaced worker with.
-        self.obs_before_step: list = [np.empty_like(array) for array in pool.buffers.obs] if layout.buffered else []
+        self.obs_before_step: list = (
+            [np.empty_like(array) for array in buffers.obs] if buffers.obs_layout.buffered else []
+        )
         # next_step mode: the envs whose current step is a reset (their flags say that their episode
         # ended; a reset by the learner clears them), which a replacement resets instead of ending a
         # second time.
-        self.reset_step_due = np.zeros(pool.num_envs, dtype=bool)
-
-    def may_replace(self, worker: int) -> bool:
-        return self.counts[worker] < self.pool.max_restarts
+        self.reset_step_due = np.zeros(channel.num_envs, dtype=bool)
 
     def remember_step_start(self, block: range | None = None) -> None:
         """Keep what a replacement needs of the state the coming step starts from (of one worker's
         ``block`` of envs when only that one steps: asynchronous batches): the observations and,
         in ``next_step`` mode, which envs the step resets."""
-        pool = self.pool
-        buffers = pool.buffers
+        buffers = self.channel.buffers
         rows = slice(None) if block is None else slice(block.start, block.stop)
         if buffers.obs_layout.buffered:
             for kept, current in zip(self.obs_before_step, buffers.obs):
                 np.copyto(kept[rows], current[rows])
         else:
-            self.obs_before_step = list(pool._obs)
-        if pool.autoreset_mode == "next_step":
+            self.obs_before_step = list(self._current_obs())
+        if self.autoreset_mode == "next_step":
             np.logical_or(buffers.terminated[rows], buffers.truncated[rows], out=self.reset_step_due[rows])
 
     def replace_lost(self) -> dict[int, dict]:
         """Replace every worker lost in this step; returns each one's step result."""
-        for worker in sorted(self.lost):
-            self._taken_over[worker] = self._replace(worker, self.lost[worker], self._take_over_step)
-            del self.lost[worker]
+        lost = self.channel.lost
+        for worker in sorted(lost):
+            self._taken_over[worker] = self._replace(worker, lost[worker], self._take_over_step)
+            del lost[worker]
         results, self._taken_over = self._taken_over, {}
         return results
 
@@ -94,53 +103,32 @@ class WorkerRestarts:
             self._reset_replacement(worker, None)
             start_segment(worker, self._reason(worker, error))
 
-        for worker in sorted(self.lost):
-            self._replace(worker, self.lost[worker], take_over)
-            del self.lost[worker]
+        lost = self.channel.lost
+        for worker in sorted(lost):
+            self._replace(worker, lost[worker], take_over)
+            del lost[worker]
 
     def _replace(
         self, worker: int, error: ClusterEnvError, take_over: Callable[[int, ClusterEnvError], TakeOver]
     ) -> TakeOver:
         """Start a new worker for a lost one's envs and count it; returns what ``take_over(worker,
         error)`` returns, which has the new worker take the lost one's place."""
-        pool = self.pool
-        pool._not_awaiting(worker)  # a request of an interrupted replacement, whose process goes
-        try:
-            pool._transport.restart(worker, pool.timeout)
-        except NotImplementedError:
-            raise pool._fail(error) from None
+        channel = self.channel
+        channel.restart(worker, error)
         if worker not in self._counted:
             self._counted.add(worker)
-            self.counts[worker] += 1
-            pool.restarts["workers"] += 1
+            channel.count_restart(worker)
         try:
             result = take_over(worker, error)
         except ClusterEnvError as failure:  # e.g. the factories raise now: the pool cannot go on
-            raise pool._fail(failure) from error
+            raise channel.fail(failure) from error
         self._counted.discard(worker)
         return result
 
-    def _rebuild(self, worker: int) -> None:
-        """Build the lost worker's envs on its replacement, attach it to the buffers and give it
-        the deployed policy, if there is one."""
-        pool = self.pool
-        from clusterenv_core.pool import START_TIMEOUT
-
-        start_timeout = max(pool.timeout, START_TIMEOUT)
-        block = pool.blocks[worker]
-        env_restarts = [pool.env_restarts[index] for index in block]
-        pool._send(worker, dataclasses.replace(pool._init_requests[worker], restarted=True, env_restarts=env_restarts))
-        pool._gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
-        pool._attach([worker], start_timeout)
-        if pool._act_layout.buffered:  # the new worker reads actions in the space's dtypes: as the lost one did
-            wanted = pool._worker_action_dtypes[worker]
-            pool._worker_action_dtypes[worker] = pool._space_action_dtypes
-            pool._set_action_dtypes(wanted or pool._space_action_dtypes, [worker])
-        if pool.actors is not None:
-            pool.actors.deploy_on_replacement(worker)
-
     def _reason(self, worker: int, error: ClusterEnvError) -> str:
-        return f"worker {worker} was replaced (restart {self.counts[worker]} of {self.pool.max_restarts}) after: {error}"
+        channel = self.channel
+        count, most = channel.worker_restarts[worker], channel.max_worker_restarts
+        return f"worker {worker} was replaced (restart {count} of {most}) after: {error}"
 
     def _take_over_step(self, worker: int, error: ClusterEnvError) -> dict:
         """Build the lost worker's envs on its replacement and end their interrupted episodes as
@@ -151,10 +139,10 @@ class WorkerRestarts:
         except those whose step was the reset after an episode end, which reset now and return that
         step; in ``disabled`` mode the caller resets them.
         """
-        pool = self.pool
+        buffers = self.channel.buffers
         self._rebuild(worker)
-        block = pool.blocks[worker]
-        layout, rows = pool.buffers.obs_layout, slice(block.start, block.stop)
+        block = self.channel.blocks[worker]
+        layout, rows = buffers.obs_layout, slice(block.start, block.stop)
         if layout.buffered:
             previous: dict[int, Any] = {i: layout.read(self.obs_before_step, i) for i in block}
         else:
@@ -163,7 +151,7 @@ class WorkerRestarts:
         infos = {i: {RESTART_INFO_KEY: reason} for i in block}
         result: dict[str, dict] = {"infos": infos}
         starting = np.zeros(len(block), dtype=bool)  # envs whose step was a reset: they start an episode
-        if pool.autoreset_mode == "same_step":
+        if self.autoreset_mode == "same_step":
             result["final_obs"] = previous
             reset = self._reset_replacement(worker, None)
             result["reset_infos"] = reset.get("infos", {})
@@ -171,11 +159,11 @@ class WorkerRestarts:
                 result["obs"] = reset["obs"]
         else:
             if layout.buffered:
-                for kept, current in zip(self.obs_before_step, pool.buffers.obs):
+                for kept, current in zip(self.obs_before_step, buffers.obs):
                     current[rows] = kept[rows]
             else:
                 result["obs"] = previous
-            if pool.autoreset_mode == "next_step":
+            if self.autoreset_mode == "next_step":
                 starting = self.reset_step_due[rows].copy()
             if starting.any():
                 # Their episodes ended at the last step, which the user has seen: ending them again
@@ -185,15 +173,15 @@ class WorkerRestarts:
                     infos[index] = {**info, RESTART_INFO_KEY: reason}
                 if "obs" in reset:  # spaces without buffers
                     result["obs"].update(reset["obs"])
-        pool.buffers.rewards[rows] = 0.0
-        pool.buffers.terminated[rows] = False
-        pool.buffers.truncated[rows] = ~starting
+        buffers.rewards[rows] = 0.0
+        buffers.terminated[rows] = False
+        buffers.truncated[rows] = ~starting
         return result
 
     def _reset_replacement(self, worker: int, mask: list[bool] | None) -> dict:
         """Reset the replacement's envs selected by ``mask`` (all when ``None``) with ``reset()``, as
         autoresets and a worker's own env replacements reset; returns the reply's parts (infos,
         observations of spaces without buffers)."""
-        size = len(self.pool.blocks[worker])
-        self.pool._send(worker, protocol.Reset([None] * size, [None] * size, mask, protocol.RESET_KEYWORDS))
-        return self.pool._gather([worker], "resetting the envs of a lost worker")[worker] or {}
+        size = len(self.channel.blocks[worker])
+        self.channel.send(worker, protocol.Reset([None] * size, [None] * size, mask, protocol.RESET_KEYWORDS))
+        return self.channel.gather([worker], "resetting the envs of a lost worker")[worker] or {}

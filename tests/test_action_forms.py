@@ -107,7 +107,7 @@ def test_ctrl_c_while_workers_are_told_a_new_dtype(monkeypatch):
         recv = transport.recv
 
         def interrupted_recv(worker, timeout):
-            if pool._awaiting.get(worker) is protocol.ActionDtypes and not interrupted_recv.done:
+            if pool._channel.awaited(worker) is protocol.ActionDtypes and not interrupted_recv.done:
                 interrupted_recv.done = True
                 raise KeyboardInterrupt
             return recv(worker, timeout)

@@ -171,12 +171,17 @@ def test_no_env_starves_behind_a_fast_worker():
 
 
 @pytest.fixture
-def batches():
+def pool():
     pool = EnvPool.make("CartPole-v1", 8, num_workers=2, autoreset_mode="next_step")
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def batches(pool):
     batches = pool.async_batches(4)
     batches.reset(seeds=list(range(8)))
-    yield batches
-    pool.close()
+    return batches
 
 
 @pytest.mark.parametrize(
@@ -224,8 +229,7 @@ def test_recv_that_cannot_be_answered_raises_instead_of_waiting(batches):
         batches.recv()
 
 
-def test_pool_calls_wait_until_no_worker_steps(batches):
-    pool = batches.pool
+def test_pool_calls_wait_until_no_worker_steps(pool, batches):
     result = batches.recv()
     batches.send(np.zeros(4, dtype=np.int64), result.env_ids)
     with pytest.raises(ClusterEnvError, match="asynchronous steps are pending"):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
-from clusterenv_core import pool as pool_module
+from clusterenv_core import channel as channel_module
 from tests.envs import (
     BigInfoEnv,
     CallCounter,
@@ -804,7 +804,7 @@ def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(n
     pool.close()
 
 
-@pytest.mark.parametrize("interrupted_call", ["_replaced_envs", "_remote_error"])
+@pytest.mark.parametrize("interrupted_call", ["replaced_envs", "remote_error"])
 def test_an_env_error_read_just_before_ctrl_c_cut_the_reading_call_short_is_raised_by_the_next_call(
     no_leaks, ctrl_c_after_send, ctrl_c_at_call, interrupted_call
 ):
@@ -816,7 +816,7 @@ def test_an_env_error_read_just_before_ctrl_c_cut_the_reading_call_short_is_rais
     ctrl_c_after_send()
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
-    ctrl_c_at_call(pool_module, interrupted_call)
+    ctrl_c_at_call(channel_module, interrupted_call)
     with pytest.raises(KeyboardInterrupt):
         pool.reset(seeds=[0, 1])
     with pytest.raises(EnvError, match="injected failure at step 1") as caught:
@@ -850,7 +850,7 @@ def test_an_env_error_kept_by_a_call_that_ctrl_c_cut_short_once_every_reply_was_
     ctrl_c_after_send(sends=2)
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
-    ctrl_c_at_call(pool_module, "_replaced_envs", calls=2)
+    ctrl_c_at_call(channel_module, "replaced_envs", calls=2)
     with pytest.raises(KeyboardInterrupt):
         pool.reset(seeds=[0, 1])
     with pytest.raises(EnvError, match="injected failure at step 1") as caught:

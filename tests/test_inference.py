@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerTimeoutError  # noqa: E402
-from clusterenv_core import pool as pool_module  # noqa: E402
+from clusterenv_core import channel as channel_module  # noqa: E402
 from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
 from clusterenv_core.inference import (  # noqa: E402
     LearnerGone,
@@ -28,6 +28,7 @@ from clusterenv_core.inference import (  # noqa: E402
     load_weights,
     weights_fields,
 )
+from clusterenv_core.shutdown import CLOSE_TIMEOUT  # noqa: E402
 from tests.envs import ActionDtypeEnv, FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
 from tests.interrupts import interrupt_soon  # noqa: E402
 from tests.policies import (  # noqa: E402
@@ -115,7 +116,7 @@ def test_an_env_error_kept_by_a_call_that_ctrl_c_cut_short_once_every_reply_was_
         ctrl_c_after_send(sends=2)
         with pytest.raises(KeyboardInterrupt):
             actors.rollout_async(4)
-        ctrl_c_at_call(pool_module, "_replaced_envs", calls=2)
+        ctrl_c_at_call(channel_module, "replaced_envs", calls=2)
         with pytest.raises(KeyboardInterrupt):
             pool.reset(seeds=[0, 1])
         with pytest.raises(EnvError, match="rollout sent before Ctrl-C failed in env 0 on worker 0"):
@@ -321,7 +322,7 @@ def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themsel
         time.sleep(0.2)  # the workers are collecting
         processes = list(pool._transport.processes)
         started = time.monotonic()
-    assert time.monotonic() - started < pool_module._CLOSE_TIMEOUT
+    assert time.monotonic() - started < CLOSE_TIMEOUT
     assert [process.returncode for process in processes] == [0, 0]
 
 
@@ -573,34 +574,14 @@ def test_a_deploy_that_fails_on_some_workers_leaves_no_policy_acting():
             first.rollout(3)
         with pytest.raises(ClusterEnvError, match="no longer deployed"):
             first.publish_weights(ConstantPolicy(0))
-        with pytest.warns(DeprecationWarning), pytest.raises(ClusterEnvError, match="no policy deployed"):
-            pool.rollout(3)
         again = pool.deploy(ConstantPolicy(1))  # the pool stays usable
         assert pool.actors is again and again.rollout(3).actions.all()
-
-
-def test_deprecated_pool_methods_still_work_and_say_where_they_moved():
-    policy = LinearPolicy(greedy=True)
-    with EnvPool.make("CartPole-v1", 2, num_workers=2) as pool:
-        pool.reset(seeds=[0, 1])
-        actors = pool.deploy(policy)
-        assert pool.actors is actors
-        with pytest.warns(DeprecationWarning, match=r"actors\.rollout"):
-            assert pool.rollout(3).rewards.shape == (3, 2)
-        with pytest.warns(DeprecationWarning, match=r"actors\.publish_weights"):
-            assert pool.publish_weights(policy) == 1
-        with pytest.warns(DeprecationWarning, match=r"actors\.policy_version"):
-            assert pool.policy_version == actors.policy_version == 1
-        with pytest.warns(DeprecationWarning, match="WorkerActors"):
-            assert PolicySync(pool, policy, mode="always").actors is actors
 
 
 def test_rollout_errors_are_clear():
     env_fns = [functools.partial(gym.make, "CartPole-v1"), lambda: FailingEnv(gym.make("CartPole-v1"), fail_at=3)]
     with EnvPool(env_fns, num_workers=2) as pool:
         pool.reset()
-        with pytest.warns(DeprecationWarning), pytest.raises(ClusterEnvError, match="deploy"):
-            pool.rollout(3)
         with pytest.raises(TypeError, match="act"):
             pool.deploy(torch.nn.Linear(4, 2))
         actors = pool.deploy(LinearPolicy())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
-from clusterenv_core import pool as pool_module
+from clusterenv_core import channel as channel_module
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from tests.envs import (
     ActionDtypeEnv,
@@ -208,7 +208,7 @@ def test_env_restarts_read_just_before_ctrl_c_cut_the_reading_call_short_are_cou
         ctrl_c_after_send(sends=2)
         with pytest.raises(KeyboardInterrupt):
             pool.step(_zeros(pool))
-        ctrl_c_at_call(pool_module, "_replaced_envs", calls=interrupted_reply)
+        ctrl_c_at_call(channel_module, "replaced_envs", calls=interrupted_reply)
         with pytest.raises(KeyboardInterrupt):
             pool.reset(seeds=[0, 1])
         pool.reset(seeds=[0, 1])
