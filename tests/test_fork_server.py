@@ -16,9 +16,10 @@ import psutil
 import pytest
 
 from clusterenv_core import EnvPool, WorkerLostError
-from clusterenv_core.transports import fork_server
-from clusterenv_core.transports.fork_server import IDLE_SECONDS, ForkedWorker
-from clusterenv_core.transports.local import _ORPHAN_GRACE
+from clusterenv_core.transports.local import fork_server
+from clusterenv_core.transports.local.fork_server import ForkedWorker
+from clusterenv_core.transports.local.fork_server_program import IDLE_SECONDS
+from clusterenv_core.transports.local.worker import _ORPHAN_GRACE
 from tests.compare import assert_same
 
 pytestmark = pytest.mark.skipif(not fork_server.pidfd_supported(), reason="no pidfds on this system")
@@ -62,7 +63,7 @@ def _copied(result) -> tuple:
 def test_workers_fork_from_one_server_that_every_pool_of_the_learner_reuses():
     with EnvPool([CARTPOLE] * 4, num_workers=2) as first:
         server = _server_of(first)
-        assert "clusterenv_core.transports.fork_server" in server.cmdline()
+        assert "clusterenv_core.transports.local.fork_server_program" in server.cmdline()
         assert server.ppid() == os.getpid()
         assert all(isinstance(process, ForkedWorker) for process in first._transport.processes)
         # Each worker leads a session of its own, as a fresh worker does.
@@ -115,7 +116,7 @@ def test_a_server_that_cannot_fork_leaves_fresh_interpreters_to_serve(monkeypatc
     def broken(*args, **kwargs):
         raise ConnectionError("the fork server ended")
 
-    monkeypatch.setattr("clusterenv_core.transports.local.launch_worker", broken)
+    monkeypatch.setattr("clusterenv_core.transports.local.transport.launch_worker", broken)
     with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:
         assert all(isinstance(process, subprocess.Popen) for process in pool._transport.processes)
         pool.reset()
