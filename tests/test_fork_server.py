@@ -19,12 +19,12 @@ from clusterenv_core import EnvPool, WorkerLostError
 from clusterenv_core.transports.local import fork_server
 from clusterenv_core.transports.local.fork_server import ForkedWorker
 from clusterenv_core.transports.local.fork_server_program import IDLE_SECONDS
-from clusterenv_core.transports.local.worker import _ORPHAN_GRACE
 from tests.compare import assert_same
 
 pytestmark = pytest.mark.skipif(not fork_server.pidfd_supported(), reason="no pidfds on this system")
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+ORPHAN_GRACE = 1.0  # seconds an orphaned worker gets to end by itself (the backend's orphan_grace)
 
 
 class GlobalRandomEnv(gym.Wrapper):
@@ -154,12 +154,12 @@ def test_the_server_and_its_workers_end_with_a_killed_learner(tmp_path):
 
 def test_workers_serve_on_when_their_server_is_killed():
     """Workers watch their learner, not their server: a server that is gone ends no pool."""
-    with EnvPool([CARTPOLE] * 2, num_workers=2, timeout=10) as pool:
+    with EnvPool([CARTPOLE] * 2, num_workers=2, timeout=10, backend_options={"orphan_grace": ORPHAN_GRACE}) as pool:
         pool.reset()
         server = _server_of(pool)
         server.kill()
         server.wait(5)
-        time.sleep(_ORPHAN_GRACE + 1.0)  # a worker that watched its parent would have ended itself by now
+        time.sleep(ORPHAN_GRACE + 1.0)  # a worker that watched its parent would have ended itself by now
         pool.step(np.zeros(2, np.int64))
         assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pool.worker_pids)
         os.kill(pool.worker_pids[0], signal.SIGKILL)

@@ -148,14 +148,15 @@ class ForkServer:
         return self.owner == os.getpid() and self.process.poll() is None
 
     def launch(
-        self, fds: Sequence[int], spin: str, env: dict[str, str], modules: Sequence[str], timeout: float
+        self, fds: Sequence[int], arguments: Sequence[str], env: dict[str, str], modules: Sequence[str], timeout: float
     ) -> ForkedWorker:
         """Fork a local worker for the socket end and memory file ``fds[:2]``, its stdout and stderr
-        ``fds[2:]``, after importing ``modules`` in the server (those it can).
+        ``fds[2:]``, after importing ``modules`` in the server (those it can). The worker gets
+        ``arguments`` after its descriptors, then this learner's pid (the process it watches).
 
         :raises OSError: the server is gone or did not answer within ``timeout`` seconds
         """
-        request = pickle.dumps((spin, os.getpid(), os.getcwd(), env, list(modules)))
+        request = pickle.dumps((list(arguments), os.getpid(), os.getcwd(), env, list(modules)))
         socket.send_fds(self.control, [request], list(fds))
         if not _readable(self.control.fileno(), timeout):
             raise TimeoutError(f"the fork server did not fork a worker within {timeout:g} s")
@@ -208,7 +209,12 @@ def _close_servers() -> None:
 
 
 def launch_worker(
-    python: str, env: dict[str, str], fds: Sequence[int], spin: str, modules: Sequence[str], timeout: float
+    python: str,
+    env: dict[str, str],
+    fds: Sequence[int],
+    arguments: Sequence[str],
+    modules: Sequence[str],
+    timeout: float,
 ) -> ForkedWorker:
     """Fork a local worker from this process's fork server for the interpreter ``python`` and the
     packages of ``modules`` (started if need be).
@@ -228,7 +234,7 @@ def launch_worker(
             if server is None or not server.usable():
                 server = _servers[key] = ForkServer(python, env)
             try:
-                return server.launch(fds, spin, env, modules, timeout)
+                return server.launch(fds, arguments, env, modules, timeout)
             except BaseException as error:
                 # Its replies may be out of step with the requests now (Ctrl-C while it forked):
                 # it serves no more. Its workers watch their learner, not it, and serve on.

@@ -57,7 +57,7 @@ def _serve(control: socket.socket) -> None:
                 for status in statuses.values():
                     status.close()
                 return
-            spin, learner, cwd, env, modules = pickle.loads(message)
+            arguments, learner, cwd, env, modules = pickle.loads(message)
             for module in modules:
                 if module not in imported:
                     imported.add(module)
@@ -65,7 +65,9 @@ def _serve(control: socket.socket) -> None:
                         importlib.import_module(module)
                     except Exception:
                         pass  # the worker imports it itself, and reports what fails
-            _fork(control, fds, [spin, str(learner)], cwd, env, [control.fileno(), wake_read, wake_write], statuses)
+            _fork(
+                control, fds, [*arguments, str(learner)], cwd, env, [control.fileno(), wake_read, wake_write], statuses
+            )
         elif not readable and not statuses:
             return  # idle for IDLE_SECONDS
 
@@ -103,7 +105,7 @@ def _fork(
 
 def _become_worker(fds: list[int], arguments: list[str], cwd: str, env: dict[str, str]) -> None:
     """Turn this fork into a local worker: ``fds`` as in a request, ``arguments`` the worker's own
-    after its descriptors (its spin seconds and its learner's pid)."""
+    after its descriptors (its spin and orphan grace seconds, and its learner's pid)."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()  # as the local backend's workers are: what its envs start shares its process group

@@ -61,6 +61,9 @@ class LocalTransport(Transport):
     :param fork_server: fork the workers from a fork server that imported their modules once (see
         :mod:`clusterenv_core.transports.local.fork_server`), where the system has pidfds; ``False``:
         start each worker as a fresh interpreter, which imports them anew
+    :param orphan_grace: seconds a worker whose learner is gone (killed, say) has to end by itself
+        before it is ended, with what its envs left running: it ends at once as its socket reads
+        end-of-file, unless an env hangs in ``close()`` or left a thread running
     """
 
     shares_memory = True
@@ -73,6 +76,7 @@ class LocalTransport(Transport):
         spinning_workers: int | None = None,
         inline_worker: bool = False,
         fork_server: bool = True,
+        orphan_grace: float = 10.0,
     ) -> None:
         self.python = python or sys.executable
         self.extra_env = dict(env or {})
@@ -93,6 +97,7 @@ class LocalTransport(Transport):
         self.has_inline_worker = check_bool("inline_worker", inline_worker)
         self.inline: InlineWorker | None = None  # with inline_worker, once started: the last worker
         self.forks_workers = check_bool("fork_server", fork_server) and pidfd_supported()
+        self.orphan_grace = check_seconds("orphan_grace", orphan_grace)
 
     @property
     def num_workers(self) -> int:
@@ -122,12 +127,13 @@ class LocalTransport(Transport):
 
     def _launch(self, worker: int, timeout: float) -> tuple[subprocess.Popen | ForkedWorker, MessageSocket]:
         learner_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        spin = repr(self.worker_spin if worker < self.spinning_workers else 0.0)
+        # The worker's arguments after its descriptors (local/worker.py: worker_connection).
+        arguments = [repr(self.worker_spin if worker < self.spinning_workers else 0.0), repr(self.orphan_grace)]
         stderr = self._stderr.new_pipe(worker)
         try:
-            process = self._fork(worker_end.fileno(), stderr, spin, timeout) if self.forks_workers else None
+            process = self._fork(worker_end.fileno(), stderr, arguments, timeout) if self.forks_workers else None
             if process is None:
-                process = self._start_interpreter(worker_end.fileno(), stderr, spin)
+                process = self._start_interpreter(worker_end.fileno(), stderr, arguments)
         except BaseException:
             learner_end.close()
             raise
@@ -138,19 +144,19 @@ class LocalTransport(Transport):
         # workers do, so the replies it waits for reach it without a wake-up.
         return process, MessageSocket(learner_end, "the learner", self.worker_spin if self.has_inline_worker else 0.0)
 
-    def _fork(self, socket_fd: int, stderr: int, spin: str, timeout: float) -> ForkedWorker | None:
+    def _fork(self, socket_fd: int, stderr: int, arguments: list[str], timeout: float) -> ForkedWorker | None:
         """A worker forked by the fork server, or ``None`` if it failed (a fresh interpreter then
         serves as well, only slower to start)."""
         modules = ["clusterenv_core.worker.serving", *installed(self.worker_modules)]
         fds = [socket_fd, self.memory_fd, 1, stderr]  # fd 1: the learner's stdout now, as a new process inherits it
         try:
-            return launch_worker(self.python, self._worker_env, fds, spin, modules, max(timeout, _IMPORT_TIMEOUT))
+            return launch_worker(self.python, self._worker_env, fds, arguments, modules, max(timeout, _IMPORT_TIMEOUT))
         except OSError:
             return None
 
-    def _start_interpreter(self, socket_fd: int, stderr: int, spin: str) -> subprocess.Popen:
+    def _start_interpreter(self, socket_fd: int, stderr: int, arguments: list[str]) -> subprocess.Popen:
         fds = (socket_fd, self.memory_fd)
-        command = child_command(self.python, "clusterenv_core.worker", ["local", *map(str, fds), spin])
+        command = child_command(self.python, "clusterenv_core.worker", ["local", *map(str, fds), *arguments])
         # A session of its own: processes its envs start share its process group, which close()
         # ends (and no signal of the learner's terminal reaches it; it ignores Ctrl-C anyway).
         return subprocess.Popen(

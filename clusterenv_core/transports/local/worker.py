@@ -2,8 +2,9 @@
 
 A worker reads its requests from its end of the socket pair and maps the memory file the learner
 shares. When the learner is gone it reads end-of-file and ends; a thread watches the learner too,
-and ends a worker that has not ended by itself within the orphan grace (an env that hangs in its
-``close()``, or a thread it left running, would keep it forever).
+and ends a worker that has not ended by itself within the orphan grace (the transport's
+``orphan_grace``: an env that hangs in its ``close()``, or a thread it left running, would keep it
+forever).
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ from typing import Any
 from clusterenv_core.protocol import OK_NONE
 from clusterenv_core.transports.local.memory_file import MemoryFileConnection
 from clusterenv_core.transports.local.message_socket import OK_NONE_FRAME, MessageSocket, frame_message
-
-# Seconds a worker whose learner is gone has to end by itself (its loop reads end-of-file and
-# closes its envs) before it is ended: an env that hangs, or a thread it left running, would keep
-# it forever.
-_ORPHAN_GRACE = 10.0
 
 
 class LocalWorkerConnection(MemoryFileConnection):
@@ -77,11 +73,12 @@ def _terminate_own_group() -> None:
         os.killpg(0, signal.SIGTERM)
 
 
-def _end_when_orphaned(learner: int, forked: bool) -> None:
-    """Once the ``learner`` process is gone, give the worker ``_ORPHAN_GRACE`` seconds to end by
-    itself, then end it and what its envs left running. A fresh worker's parent is the learner: it
-    is gone once the worker is reparented. A forked worker's parent is the fork server, which a
-    learner may end while the worker serves on: it watches the learner through a pidfd."""
+def _end_when_orphaned(learner: int, forked: bool, grace: float) -> None:
+    """Once the ``learner`` process is gone, give the worker ``grace`` seconds to end by itself (its
+    loop reads end-of-file and closes its envs), then end it and what its envs left running: an env
+    that hangs, or a thread it left running, would keep it forever. A fresh worker's parent is the
+    learner: it is gone once the worker is reparented. A forked worker's parent is the fork server,
+    which a learner may end while the worker serves on: it watches the learner through a pidfd."""
     if not forked:
         while os.getppid() == learner:
             time.sleep(1.0)
@@ -92,10 +89,10 @@ def _end_when_orphaned(learner: int, forked: bool) -> None:
             pass  # gone already
         else:
             select.select([learner_pidfd], [], [])  # readable once the learner ended
-    time.sleep(_ORPHAN_GRACE)
+    time.sleep(grace)
     try:
         print(
-            f"clusterenv worker: the learner ended {_ORPHAN_GRACE:g} s ago and this worker has not; ending it",
+            f"clusterenv worker: the learner ended {grace:g} s ago and this worker has not; ending it",
             file=sys.stderr,
             flush=True,
         )
@@ -107,13 +104,17 @@ def _end_when_orphaned(learner: int, forked: bool) -> None:
 
 
 def worker_connection(argv: list[str]) -> LocalWorkerConnection:
-    """Build the worker side from the command line ``<socket fd> <memory fd> <spin seconds>``, and
-    ``<learner pid>`` for a worker forked by the fork server (a fresh worker's learner is its parent)."""
+    """Build the worker side from the command line ``<socket fd> <memory fd> <spin seconds> <orphan
+    grace seconds>``, and ``<learner pid>`` for a worker forked by the fork server (a fresh worker's
+    learner is its parent)."""
     # Ctrl-C in a terminal reaches the whole process group; the learner handles it and closes us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    socket_fd, memory_fd, spin, *forked_for = argv
+    socket_fd, memory_fd, spin, orphan_grace, *forked_for = argv
     learner = int(forked_for[0]) if forked_for else os.getppid()
     threading.Thread(
-        target=_end_when_orphaned, args=(learner, bool(forked_for)), name="clusterenv-orphan-watch", daemon=True
+        target=_end_when_orphaned,
+        args=(learner, bool(forked_for), float(orphan_grace)),
+        name="clusterenv-orphan-watch",
+        daemon=True,
     ).start()
     return LocalWorkerConnection(int(socket_fd), int(memory_fd), float(spin))
