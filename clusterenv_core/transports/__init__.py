@@ -1,4 +1,4 @@
-"""Backends: ``local`` (processes + shared memory, one module) and ``mpi`` (mpi4py ranks, a package).
+"""Backends, a package each: ``local`` (processes + shared memory) and ``mpi`` (mpi4py ranks).
 
 A backend defines a :class:`~clusterenv_core.transports.base.Transport` subclass for the learner
 and a ``worker_connection(argv)`` function for ``python -m clusterenv_core.worker <backend>``. They
