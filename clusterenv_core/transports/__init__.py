@@ -18,6 +18,7 @@ _BACKENDS = {
     "mpi": ("clusterenv_core.transports.mpi", "MPITransport"),
 }
 
+
 def make_transport(backend: str, **options: Any) -> Transport:
     """The learner side of ``backend``, constructed with the backend's ``options``."""
     if backend not in _BACKENDS:

@@ -6,9 +6,10 @@ fork server, which hands over to :mod:`~.launch` too), and MPI jobs start it as 
 of an MPMD launch. This ``__init__`` imports nothing, so that the program starts on the standard
 library alone and can still end an MPI job whose dependencies fail to import.
 
-Modules, one concept each, imported in this order: :mod:`~.launch` (the program's entry and exit),
-:mod:`~.serving` (:class:`~.serving.Worker`: the serving loop and one handler per request type),
-:mod:`~.rollout_collection` (a rollout segment collected with the worker's policy copy),
-:mod:`~.env_block` (:class:`~.env_block.EnvBlock`: the envs, their index spaces and autoreset
-modes) and :mod:`~.remote_failure` (a failure with the env it happened in, and its error reply).
+Modules, one concept each, each importing only modules after it: :mod:`~.launch` (the program's
+entry and exit), :mod:`~.serving` (:class:`~.serving.Worker`: the serving loop and one handler per
+request type), :mod:`~.rollout_collection` (a rollout segment collected with the worker's policy
+copy), :mod:`~.env_block` (:class:`~.env_block.EnvBlock`: the envs, their index spaces and
+autoreset modes) and :mod:`~.remote_failure` (a failure with the env it happened in, and its error
+reply).
 """
