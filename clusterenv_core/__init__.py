@@ -5,7 +5,7 @@ translate this pool into their libraries' vector-env APIs.
 
 The pool is imported on first use, so that the worker program (``python -m clusterenv_core.worker``)
 starts with the standard library only and can still end an MPI job when its dependencies fail to
-import (see :mod:`clusterenv_core.launch`).
+import (see :mod:`clusterenv_core.worker.launch`).
 """
 
 from __future__ import annotations

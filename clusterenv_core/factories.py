@@ -25,7 +25,7 @@ def refuse_a_pool_built_by_a_worker_import() -> None:
     an env builds when it is created or stepped (an env that distributes sub-envs of its own) is no
     import's and is allowed, as is one a module builds as the learner imports it.
     """
-    worker_module = sys.modules.get("clusterenv_core.worker")
+    worker_module = sys.modules.get("clusterenv_core.worker.serving")
     if worker_module is None:
         return  # no worker in this process
     serving = (worker_module.Worker.serve.__code__, worker_module.Worker.handle.__code__)

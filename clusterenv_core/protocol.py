@@ -18,7 +18,7 @@ request's caller with ``Transport.send_arrays`` and received by its handler):
 - ``REPLY_ARRAYS``: an ``OK`` reply is followed by arrays of a region (the worker's rows of a
   rollout segment): ``WorkerConnection.send_arrays`` / ``Transport.recv_arrays``.
 
-Adding an operation means a request type here, a handler in :mod:`clusterenv_core.worker` and its
+Adding an operation means a request type here, a handler in :mod:`clusterenv_core.worker.serving` and its
 use in the pool; backends stay as they are.
 """
 

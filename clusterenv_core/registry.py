@@ -110,7 +110,7 @@ def _provide_main_attribute(spec: Any, name: str, value: Any) -> Any:
         setattr(main, name, value)
         return spec
     main_spec = getattr(main, "__spec__", None)
-    if main_spec is not None and main_spec.name == "clusterenv_core.worker":
+    if main_spec is not None and main_spec.name == "clusterenv_core.worker.__main__":
         return dataclasses.replace(spec, entry_point=value)
     return spec
 

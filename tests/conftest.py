@@ -12,9 +12,9 @@ def ctrl_c_after_send(monkeypatch):
     """``arm(sends=1)``: Ctrl-C (a ``KeyboardInterrupt``) right after the learner writes its
     ``sends``-th next frame to a local worker, as CPython's ``sendall`` runs signal handlers after
     writing: that request is out when the call is cut short."""
-    from clusterenv_core.transports import local
+    from clusterenv_core.transports.local.message_socket import MessageSocket
 
-    send_frame = local._MessageSocket.send_frame
+    send_frame = MessageSocket.send_frame
     sends_left = 0
 
     def interrupted_after_sending(self, frame):
@@ -29,7 +29,7 @@ def ctrl_c_after_send(monkeypatch):
         nonlocal sends_left
         sends_left = sends
 
-    monkeypatch.setattr(local._MessageSocket, "send_frame", interrupted_after_sending)
+    monkeypatch.setattr(MessageSocket, "send_frame", interrupted_after_sending)
     return arm
 
 

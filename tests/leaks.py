@@ -7,7 +7,7 @@ import threading
 
 import psutil
 
-from clusterenv_core.transports import fork_server
+from clusterenv_core.transports.local import fork_server
 
 
 def _fork_server_pids() -> set[int]:

@@ -167,7 +167,7 @@ def test_core_imports_without_torch_or_sb3():
         "import sys\n"
         "for name in ('torch', 'stable_baselines3', 'cleanrl'):\n"
         "    sys.modules[name] = None  # makes any import of it fail\n"
-        "import clusterenv_core, clusterenv_core.worker, clusterenv_core.transports.local\n"
+        "import clusterenv_core, clusterenv_core.worker.serving, clusterenv_core.transports.local\n"
         "print('ok')\n"
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

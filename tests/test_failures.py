@@ -862,13 +862,13 @@ def test_an_env_error_kept_by_a_call_that_ctrl_c_cut_short_once_every_reply_was_
 
 
 def test_a_request_that_cannot_be_pickled_leaves_nothing_awaited(no_leaks, monkeypatch):
-    from clusterenv_core.transports import local
+    from clusterenv_core.transports.local import transport
 
     pool = EnvPool([CARTPOLE] * 2, num_workers=2, timeout=3.0)
     pool.reset(seeds=[0, 1])
     with pytest.raises(TypeError, match="pickle"):
         pool.set_attr("lock", [threading.Lock()], indices=[0])
-    frame = local._frame
+    frame = transport.frame_message
     interrupted = []
 
     def interrupted_while_pickling(message):
@@ -877,7 +877,7 @@ def test_a_request_that_cannot_be_pickled_leaves_nothing_awaited(no_leaks, monke
             raise KeyboardInterrupt
         return frame(message)
 
-    monkeypatch.setattr(local, "_frame", interrupted_while_pickling)
+    monkeypatch.setattr(transport, "frame_message", interrupted_while_pickling)
     with pytest.raises(KeyboardInterrupt):
         pool.call("render")
     started = time.monotonic()  # no reply is awaited from either: the step does not wait for one

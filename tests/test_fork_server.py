@@ -16,14 +16,15 @@ import psutil
 import pytest
 
 from clusterenv_core import EnvPool, WorkerLostError
-from clusterenv_core.transports import fork_server
-from clusterenv_core.transports.fork_server import IDLE_SECONDS, ForkedWorker
-from clusterenv_core.transports.local import _ORPHAN_GRACE
+from clusterenv_core.transports.local import fork_server
+from clusterenv_core.transports.local.fork_server import ForkedWorker
+from clusterenv_core.transports.local.fork_server_program import IDLE_SECONDS
 from tests.compare import assert_same
 
 pytestmark = pytest.mark.skipif(not fork_server.pidfd_supported(), reason="no pidfds on this system")
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+ORPHAN_GRACE = 1.0  # seconds an orphaned worker gets to end by itself (the backend's orphan_grace)
 
 
 class GlobalRandomEnv(gym.Wrapper):
@@ -62,7 +63,7 @@ def _copied(result) -> tuple:
 def test_workers_fork_from_one_server_that_every_pool_of_the_learner_reuses():
     with EnvPool([CARTPOLE] * 4, num_workers=2) as first:
         server = _server_of(first)
-        assert "clusterenv_core.transports.fork_server" in server.cmdline()
+        assert "clusterenv_core.transports.local.fork_server_program" in server.cmdline()
         assert server.ppid() == os.getpid()
         assert all(isinstance(process, ForkedWorker) for process in first._transport.processes)
         # Each worker leads a session of its own, as a fresh worker does.
@@ -115,7 +116,7 @@ def test_a_server_that_cannot_fork_leaves_fresh_interpreters_to_serve(monkeypatc
     def broken(*args, **kwargs):
         raise ConnectionError("the fork server ended")
 
-    monkeypatch.setattr("clusterenv_core.transports.local.launch_worker", broken)
+    monkeypatch.setattr("clusterenv_core.transports.local.transport.launch_worker", broken)
     with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:
         assert all(isinstance(process, subprocess.Popen) for process in pool._transport.processes)
         pool.reset()
@@ -153,12 +154,12 @@ def test_the_server_and_its_workers_end_with_a_killed_learner(tmp_path):
 
 def test_workers_serve_on_when_their_server_is_killed():
     """Workers watch their learner, not their server: a server that is gone ends no pool."""
-    with EnvPool([CARTPOLE] * 2, num_workers=2, timeout=10) as pool:
+    with EnvPool([CARTPOLE] * 2, num_workers=2, timeout=10, backend_options={"orphan_grace": ORPHAN_GRACE}) as pool:
         pool.reset()
         server = _server_of(pool)
         server.kill()
         server.wait(5)
-        time.sleep(_ORPHAN_GRACE + 1.0)  # a worker that watched its parent would have ended itself by now
+        time.sleep(ORPHAN_GRACE + 1.0)  # a worker that watched its parent would have ended itself by now
         pool.step(np.zeros(2, np.int64))
         assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pool.worker_pids)
         os.kill(pool.worker_pids[0], signal.SIGKILL)

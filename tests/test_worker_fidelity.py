@@ -265,7 +265,7 @@ def test_a_fork_server_that_ends_with_its_learner_leaves_no_resource_warning(tmp
         tmp_path / "server_eof.py",
         """
         import os, sys
-        from clusterenv_core.transports.fork_server import ForkServer
+        from clusterenv_core.transports.local.fork_server import ForkServer
 
         server = ForkServer(sys.executable, dict(os.environ))
         server.control.close()

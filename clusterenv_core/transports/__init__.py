@@ -1,4 +1,4 @@
-"""Backends: ``local`` (processes + shared memory, one module) and ``mpi`` (mpi4py ranks, a package).
+"""Backends, a package each: ``local`` (processes + shared memory) and ``mpi`` (mpi4py ranks).
 
 A backend defines a :class:`~clusterenv_core.transports.base.Transport` subclass for the learner
 and a ``worker_connection(argv)`` function for ``python -m clusterenv_core.worker <backend>``. They
@@ -17,6 +17,7 @@ _BACKENDS = {
     "local": ("clusterenv_core.transports.local", "LocalTransport"),
     "mpi": ("clusterenv_core.transports.mpi", "MPITransport"),
 }
+
 
 def make_transport(backend: str, **options: Any) -> Transport:
     """The learner side of ``backend``, constructed with the backend's ``options``."""

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
-from clusterenv_core.launch import flush_standard_streams
 from clusterenv_core.protocol import OK, STEP, dumps, loads
 from clusterenv_core.transports.base import WorkerConnection
 from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
@@ -51,6 +50,7 @@ from clusterenv_core.transports.mpi.wire import (
     block_type,
     result_arrays,
 )
+from clusterenv_core.worker.launch import flush_standard_streams
 
 
 class MPIWorkerConnection(WorkerConnection):
@@ -326,7 +326,7 @@ def _connect(kind: str) -> MPIWorkerConnection:
 
 def serve_as_worker() -> None:
     """SPMD: a rank above 0 that constructs a pool serves rank 0 instead, then exits."""
-    from clusterenv_core.worker import serve
+    from clusterenv_core.worker.serving import serve
 
     connection = _connect("spmd")
     try:

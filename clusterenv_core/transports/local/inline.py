@@ -25,7 +25,8 @@ from collections import deque
 from typing import Any
 
 from clusterenv_core.protocol import OK_NONE, SCALAR_TYPES, dumps, loads
-from clusterenv_core.transports.local import MemoryFileConnection
+from clusterenv_core.transports.local.memory_file import MemoryFileConnection
+from clusterenv_core.worker.serving import Worker
 
 
 class InlineConnection(MemoryFileConnection):
@@ -80,7 +81,7 @@ def _copy_of_plain_infos(reply: tuple) -> tuple | None:
 
 
 class InlineWorker:
-    """A :class:`~clusterenv_core.worker.Worker` run by the learner, one request at a time.
+    """A :class:`~clusterenv_core.worker.serving.Worker` run by the learner, one request at a time.
 
     Ctrl-C while it runs one is held until the request is done and delivered when the learner
     next takes one of its replies, so it interrupts the learner's wait, as with worker processes,
@@ -90,8 +91,6 @@ class InlineWorker:
     """
 
     def __init__(self, memory_fd: int) -> None:
-        from clusterenv_core.worker import Worker  # the worker's code, run here rather than in a process
-
         self.connection = InlineConnection(memory_fd)
         self.worker = Worker(self.connection)
         self._held_interrupt: Any = None  # the SIGINT handler to call for an interrupt held back

@@ -1,8 +1,8 @@
-"""The worker program's entry: choose the backend, connect, serve -- or end an MPI job that it cannot serve.
+"""The worker program's entry and exit: choose the backend, connect, serve -- or end an MPI job that it cannot serve.
 
-``python -m clusterenv_core.worker [<backend> [backend arguments]]`` lands here. Without arguments
-the backend is the launcher's: a process started by ``mpiexec``/``srun`` serves as an MPI worker
-(``mpiexec -n 1 python train.py : -n W python -m clusterenv_core.worker``).
+``python -m clusterenv_core.worker [<backend> [backend arguments]]`` lands here (from :mod:`~.__main__`).
+Without arguments the backend is the launcher's: a process started by ``mpiexec``/``srun`` serves as
+an MPI worker (``mpiexec -n 1 python train.py : -n W python -m clusterenv_core.worker``).
 
 Every other rank of an MPI job waits in ``MPI_Init`` for this one, and a launcher does not end a
 job whose rank exits before it initialized MPI: a worker rank that exits with a usage message
@@ -54,7 +54,7 @@ def run_worker_program(argv: list[str]) -> int:
     start_group_guard()
     try:
         from clusterenv_core.transports import worker_connection
-        from clusterenv_core.worker import serve
+        from clusterenv_core.worker.serving import serve
 
         connection = worker_connection(backend, backend_argv)
     except (Exception, SystemExit) as error:
@@ -105,7 +105,11 @@ def abort_mpi_job(reason: str, code: int = 1) -> NoReturn:
     other ranks reach ``MPI_Init`` too (this rank's fellow workers come to abort as well).
     """
     print(f"clusterenv worker: {reason}", file=sys.stderr)
-    print("clusterenv worker: this rank cannot serve; aborting the MPI job so that no rank waits for it", file=sys.stderr, flush=True)
+    print(
+        "clusterenv worker: this rank cannot serve; aborting the MPI job so that no rank waits for it",
+        file=sys.stderr,
+        flush=True,
+    )
     # The launcher forwards output through its proxies and stops once it hears of the abort.
     time.sleep(0.3)
     MPI = sys.modules.get("mpi4py.MPI")

@@ -13,20 +13,20 @@ worker in all but its imports.
   over a socket of that worker's own; the learner also gets a pidfd of each worker, which tells it
   the worker ended and lets it signal the worker safely.
 - It ends when the learner does (its control socket reads end-of-file), and by itself once it has
-  had no worker for ``IDLE_SECONDS``, so that a learner whose pools are closed keeps no process.
-  Its workers watch the learner, not it (they are given the learner's pid): a server that ends
+  had no worker for :data:`~.fork_server_program.IDLE_SECONDS`, so that a learner whose pools are
+  closed keeps no process. Its workers watch the learner, not it (they are given the learner's pid): a server that ends
   early, or that the learner ends (Ctrl-C while it forked), leaves them serving.
 - It lives in a session of its own, as the workers do (each is made a session leader at once), so
   Ctrl-C at the learner's terminal reaches neither.
 
 Requests and replies are single messages on a ``SOCK_SEQPACKET`` socket pair, file descriptors
-passed with them (``SCM_RIGHTS``). Run as ``python -m clusterenv_core.transports.fork_server <fd>``.
+passed with them (``SCM_RIGHTS``). This module is the learner's side (:class:`ForkServer`,
+:class:`ForkedWorker`, :func:`launch_worker`); the server runs :mod:`~.fork_server_program`.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import pickle
 import select
@@ -36,21 +36,16 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 
 from clusterenv_core.interpreter import child_command, interpreter_flags, site_roots
 
-#: seconds the fork server lingers without a worker before it ends (pools opened one after another,
-#: as in a test suite or an eval env after a training env, reuse it)
-IDLE_SECONDS = 10.0
 #: the name of the thread that reaps a fork server once it ended
 REAPER_THREAD = "clusterenv-fork-server-reaper"
-_STATUS = struct.Struct("<i")
-_MAX_MESSAGE = 1 << 20
-# The request's descriptors, in order: the worker's socket end and memory file (its arguments), and
-# the learner's stdout and the worker's stderr pipe (its standard streams).
-_REQUEST_FDS = 4
+#: a worker's exit status as the server sends it to the learner (as ``os.waitpid`` gave it)
+EXIT_STATUS = struct.Struct("<i")
+#: the longest request or reply, in bytes
+MAX_MESSAGE = 1 << 20
 
 
 def pidfd_supported() -> bool:
@@ -103,9 +98,9 @@ class ForkedWorker:
 
     def _collect(self) -> None:
         """Read the exit status of the ended worker: the server reaps it and sends it at once."""
-        data = self.status.recv(_STATUS.size) if _readable(self.status.fileno(), 5.0) else b""
-        if len(data) == _STATUS.size:
-            self.returncode = os.waitstatus_to_exitcode(_STATUS.unpack(data)[0])
+        data = self.status.recv(EXIT_STATUS.size) if _readable(self.status.fileno(), 5.0) else b""
+        if len(data) == EXIT_STATUS.size:
+            self.returncode = os.waitstatus_to_exitcode(EXIT_STATUS.unpack(data)[0])
         else:
             self.returncode, self.status_known = 1, False
         self.status.close()
@@ -132,7 +127,9 @@ class ForkServer:
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                child_command(python, "clusterenv_core.transports.fork_server", [str(server_end.fileno())]),
+                child_command(
+                    python, "clusterenv_core.transports.local.fork_server_program", [str(server_end.fileno())]
+                ),
                 pass_fds=[server_end.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -151,18 +148,19 @@ class ForkServer:
         return self.owner == os.getpid() and self.process.poll() is None
 
     def launch(
-        self, fds: Sequence[int], spin: str, env: dict[str, str], modules: Sequence[str], timeout: float
+        self, fds: Sequence[int], arguments: Sequence[str], env: dict[str, str], modules: Sequence[str], timeout: float
     ) -> ForkedWorker:
         """Fork a local worker for the socket end and memory file ``fds[:2]``, its stdout and stderr
-        ``fds[2:]``, after importing ``modules`` in the server (those it can).
+        ``fds[2:]``, after importing ``modules`` in the server (those it can). The worker gets
+        ``arguments`` after its descriptors, then this learner's pid (the process it watches).
 
         :raises OSError: the server is gone or did not answer within ``timeout`` seconds
         """
-        request = pickle.dumps((spin, os.getpid(), os.getcwd(), env, list(modules)))
+        request = pickle.dumps((list(arguments), os.getpid(), os.getcwd(), env, list(modules)))
         socket.send_fds(self.control, [request], list(fds))
         if not _readable(self.control.fileno(), timeout):
             raise TimeoutError(f"the fork server did not fork a worker within {timeout:g} s")
-        reply, reply_fds, _, _ = socket.recv_fds(self.control, _MAX_MESSAGE, 2)
+        reply, reply_fds, _, _ = socket.recv_fds(self.control, MAX_MESSAGE, 2)
         if not reply:
             raise ConnectionError("the fork server ended")
         pid = pickle.loads(reply)
@@ -211,7 +209,12 @@ def _close_servers() -> None:
 
 
 def launch_worker(
-    python: str, env: dict[str, str], fds: Sequence[int], spin: str, modules: Sequence[str], timeout: float
+    python: str,
+    env: dict[str, str],
+    fds: Sequence[int],
+    arguments: Sequence[str],
+    modules: Sequence[str],
+    timeout: float,
 ) -> ForkedWorker:
     """Fork a local worker from this process's fork server for the interpreter ``python`` and the
     packages of ``modules`` (started if need be).
@@ -231,7 +234,7 @@ def launch_worker(
             if server is None or not server.usable():
                 server = _servers[key] = ForkServer(python, env)
             try:
-                return server.launch(fds, spin, env, modules, timeout)
+                return server.launch(fds, arguments, env, modules, timeout)
             except BaseException as error:
                 # Its replies may be out of step with the requests now (Ctrl-C while it forked):
                 # it serves no more. Its workers watch their learner, not it, and serve on.
@@ -240,127 +243,3 @@ def launch_worker(
                 if attempt == 1 or not isinstance(error, OSError):
                     raise
     raise AssertionError("unreachable")
-
-
-# The server program.
-
-
-def _serve(control: socket.socket) -> None:
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the loop through the pipe
-    statuses: dict[int, socket.socket] = {}  # per live worker, the server's end of its status socket
-    imported: set[str] = set()
-    idle_since = time.monotonic()
-    while True:
-        timeout = None if statuses else max(idle_since + IDLE_SECONDS - time.monotonic(), 0.0)
-        readable, _, _ = select.select([control, wake_read], [], [], timeout)
-        if wake_read in readable:
-            try:
-                while os.read(wake_read, 512):
-                    pass
-            except BlockingIOError:
-                pass
-            _reap(statuses)
-            if not statuses:
-                idle_since = time.monotonic()
-        if control in readable:
-            message, fds, _, _ = socket.recv_fds(control, _MAX_MESSAGE, _REQUEST_FDS)
-            if not message:  # the learner is gone; its workers watch it themselves
-                for status in statuses.values():
-                    status.close()
-                return
-            spin, learner, cwd, env, modules = pickle.loads(message)
-            for module in modules:
-                if module not in imported:
-                    imported.add(module)
-                    try:
-                        importlib.import_module(module)
-                    except Exception:
-                        pass  # the worker imports it itself, and reports what fails
-            _fork(control, fds, [spin, str(learner)], cwd, env, [control.fileno(), wake_read, wake_write], statuses)
-        elif not readable and not statuses:
-            return  # idle for IDLE_SECONDS
-
-
-def _fork(
-    control: socket.socket,
-    fds: list[int],
-    arguments: list[str],
-    cwd: str,
-    env: dict[str, str],
-    server_fds: list[int],
-    statuses: dict[int, socket.socket],
-) -> None:
-    status_server, status_learner = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for fd in [*server_fds, status_server.fileno(), status_learner.fileno()]:
-                os.close(fd)
-            for status in statuses.values():
-                status.close()
-            _become_worker(fds, arguments, cwd, env)
-        finally:
-            os._exit(1)
-    for fd in fds:
-        os.close(fd)
-    pidfd = os.pidfd_open(pid)  # before the server reaps it, which only its own loop does
-    statuses[pid] = status_server
-    try:
-        socket.send_fds(control, [pickle.dumps(pid)], [pidfd, status_learner.fileno()])
-    finally:
-        os.close(pidfd)
-        status_learner.close()
-
-
-def _become_worker(fds: list[int], arguments: list[str], cwd: str, env: dict[str, str]) -> None:
-    """Turn this fork into a local worker: ``fds`` as in a request, ``arguments`` the worker's own
-    after its descriptors (its spin seconds and its learner's pid)."""
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.setsid()  # as the local backend's workers are: what its envs start shares its process group
-    socket_fd, memory_fd, stdout, stderr = fds
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    for fd, standard in ((devnull, 0), (stdout, 1), (stderr, 2)):
-        if fd != standard:
-            os.dup2(fd, standard)
-            os.close(fd)
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # the legacy global generator: fresh entropy, as a fresh interpreter has
-    from clusterenv_core import worker
-    from clusterenv_core.launch import end_worker_program, run_worker_program
-
-    sys.argv = [worker.__file__, "local", str(socket_fd), str(memory_fd), *arguments]  # as `python -m` sets it
-    end_worker_program(run_worker_program(sys.argv[1:]))
-
-
-def _reap(statuses: dict[int, socket.socket]) -> None:
-    while statuses:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        channel = statuses.pop(pid, None)
-        if channel is not None:
-            try:
-                channel.send(_STATUS.pack(status))
-            except OSError:
-                pass  # the learner closed it: it no longer watches this worker
-            channel.close()
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Closed on the way out: the server runs with the learner's flags, and under -X dev an unclosed
-    # socket is a ResourceWarning on the learner's stderr.
-    with socket.socket(fileno=int(sys.argv[1])) as control:
-        _serve(control)
