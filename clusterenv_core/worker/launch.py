@@ -25,17 +25,11 @@ import traceback
 from typing import NoReturn
 
 from clusterenv_core.group_guard import start_group_guard
+from clusterenv_core.process import flush_standard_streams, launched_by_mpi
 
 USAGE = "usage: python -m clusterenv_core.worker [<backend> [backend arguments]]  (no backend: the MPI launcher's)"
 
-# Set for the processes of an MPI launch by hydra (MPICH), Slurm's PMI-2, PMIx and Open MPI.
-_MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 _ABORT_GRACE_SECONDS = 10.0  # how long an aborting rank waits for the launcher to end it
-
-
-def launched_by_mpi() -> bool:
-    """Whether an MPI launcher (``mpiexec``, ``srun``) started this process."""
-    return any(name in os.environ for name in _MPI_LAUNCH_VARIABLES)
 
 
 def run_worker_program(argv: list[str]) -> int:
@@ -85,16 +79,6 @@ def end_worker_program(code: int) -> NoReturn:
     atexit._run_exitfuncs()
     flush_standard_streams()
     os._exit(code)
-
-
-def flush_standard_streams() -> None:
-    """Flush stdout and stderr before a process ends without Python's own exit, whatever became of
-    them (replaced, closed, or their reader gone)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 def abort_mpi_job(reason: str, code: int = 1) -> NoReturn:

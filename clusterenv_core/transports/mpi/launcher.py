@@ -16,8 +16,8 @@ import sys
 import tempfile
 
 from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.process import launched_by_mpi
 from clusterenv_core.transports.mpi.runtime import State
-from clusterenv_core.worker.launch import launched_by_mpi
 
 
 def find_mpiexec() -> str | None:

@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Any
 
-from clusterenv_core.worker.launch import flush_standard_streams, launched_by_mpi
+from clusterenv_core.process import flush_standard_streams, launched_by_mpi
 
 CONNECT_TIMEOUT_VARIABLE = "CLUSTERENV_MPI_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT = 600.0

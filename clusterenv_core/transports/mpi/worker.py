@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views, fields_nbytes
+from clusterenv_core.process import flush_standard_streams
 from clusterenv_core.protocol import OK, STEP, dumps, loads
 from clusterenv_core.transports.base import WorkerConnection
 from clusterenv_core.transports.mpi.heartbeat import GOODBYE_TIMEOUT, BeatSender, holding_mpi_lock, threads_allowed
@@ -50,7 +51,6 @@ from clusterenv_core.transports.mpi.wire import (
     block_type,
     result_arrays,
 )
-from clusterenv_core.worker.launch import flush_standard_streams
 
 
 class MPIWorkerConnection(WorkerConnection):
