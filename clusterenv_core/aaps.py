@@ -17,14 +17,11 @@ A policy reports its distribution with ``action_dist(obs)`` returning one of
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from clusterenv_core.errors import ClusterEnvError
 
 SYNC_MODES = ("always", "aaps", "never")
 
@@ -115,8 +112,7 @@ class PolicySync:
     """Decides after each learner update whether the workers get the new weights.
 
     :param actors: the :class:`~clusterenv_core.actors.WorkerActors` that :meth:`EnvPool.deploy
-        <clusterenv_core.pool.EnvPool.deploy>` returned (an ``EnvPool`` with a deployed policy is
-        still taken, deprecated)
+        <clusterenv_core.pool.EnvPool.deploy>` returned
     :param policy: the learner's policy module (the one updated in place)
     :param mode: ``"always"`` (every update, the baseline), ``"aaps"`` (when the divergence exceeds
         ``threshold``) or ``"never"`` (workers keep the initial weights)
@@ -134,17 +130,6 @@ class PolicySync:
         max_staleness: int | None = None,
         probe_size: int = 256,
     ) -> None:
-        from clusterenv_core.pool import EnvPool
-
-        if isinstance(actors, EnvPool):  # as before WorkerActors existed
-            if actors.actors is None:
-                raise ClusterEnvError("no policy deployed on this pool: call pool.deploy(policy) first")
-            warnings.warn(
-                "PolicySync(pool, ...) is deprecated: pass the WorkerActors that pool.deploy() returns",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            actors = actors.actors
         self.actors = actors
         self.policy = policy
         self.configure(mode, threshold, max_staleness, probe_size)

@@ -591,8 +591,6 @@ def test_deprecated_pool_methods_still_work_and_say_where_they_moved():
             assert pool.publish_weights(policy) == 1
         with pytest.warns(DeprecationWarning, match=r"actors\.policy_version"):
             assert pool.policy_version == actors.policy_version == 1
-        with pytest.warns(DeprecationWarning, match="WorkerActors"):
-            assert PolicySync(pool, policy, mode="always").actors is actors
 
 
 def test_rollout_errors_are_clear():
