@@ -44,6 +44,7 @@ import numpy as np
 from clusterenv_cleanrl.vector_env import RESET_OMIT_IF_NONE
 from clusterenv_core.aaps import PolicySync
 from clusterenv_core.checks import check_int
+from clusterenv_core.policy import ActionDistribution, Categorical, DeployablePolicy, Gaussian, Greedy, MultiCategorical
 from clusterenv_core.pool import EnvPool
 from clusterenv_core.rollout import Rollout
 
@@ -85,32 +86,32 @@ class DeployableAgent:
 
     - ``act(obs)``: ``get_action_and_value`` on a worker (sampled actions, their log-probabilities
       and values);
-    - ``action_dist(obs)``: ``("categorical", self.actor(obs))`` for discrete agents; for
+    - ``action_dist(obs)``: ``Categorical(self.actor(obs))`` for discrete agents; for
       MultiDiscrete ones, ``self.actor(obs)`` split by ``self.nvec`` (CleanRL's
-      ``ppo_multidiscrete`` agent keeps its action space's ``nvec``) as ``"multicategorical"``; or
-      ``("gaussian", self.actor_mean(obs), self.actor_logstd)`` for CleanRL's continuous agent.
-      Override it for other heads.
+      ``ppo_multidiscrete`` agent keeps its action space's ``nvec``) as a ``MultiCategorical``; or
+      ``Gaussian(self.actor_mean(obs), self.actor_logstd)`` for CleanRL's continuous agent.
+      Override it for other heads (the distributions are in :mod:`clusterenv_core.policy`).
     """
 
     def act(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
         action, log_prob, _, value = self.get_action_and_value(_float(obs))
         return {"actions": action, "log_probs": log_prob, "values": value.reshape(-1)}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
+    def action_dist(self, obs: torch.Tensor) -> ActionDistribution:
         obs = _float(obs)
         if hasattr(self, "actor_mean") and hasattr(self, "actor_logstd"):
             mean = self.actor_mean(obs)
-            return ("gaussian", mean, self.actor_logstd.expand_as(mean))
+            return Gaussian(mean, self.actor_logstd.expand_as(mean))
         if hasattr(self, "actor"):
             logits = self.actor(obs)
             if hasattr(self, "nvec"):
                 import torch
 
-                return ("multicategorical", list(torch.split(logits, [int(n) for n in self.nvec], dim=-1)))
-            return ("categorical", logits)
+                return MultiCategorical(list(torch.split(logits, [int(n) for n in self.nvec], dim=-1)))
+            return Categorical(logits)
         raise NotImplementedError(
             f"{type(self).__name__} has neither `actor` (logits) nor `actor_mean`/`actor_logstd`: "
-            "override action_dist(obs) to return (kind, *params) (see clusterenv_core.aaps)"
+            "override action_dist(obs) to return a distribution of clusterenv_core.policy"
         )
 
 
@@ -119,7 +120,7 @@ class DeployableQNetwork:
 
     ``forward(x)`` must return the Q-values. ``act(obs, epsilon=0.0)`` is epsilon-greedy per env
     (random draws from the worker's torch generator, seeded by ``EnvPool.deploy(seed=...)``);
-    ``action_dist`` is ``("greedy", q_values)``, so AAPS measures the fraction of changed greedy actions.
+    ``action_dist`` is ``Greedy(q_values)``, so AAPS measures the fraction of changed greedy actions.
     """
 
     def act(self, obs: torch.Tensor, epsilon: float = 0.0) -> dict[str, torch.Tensor]:
@@ -132,8 +133,8 @@ class DeployableQNetwork:
             actions = torch.where(explore, torch.randint(q_values.shape[-1], actions.shape), actions)
         return {"actions": actions}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
-        return ("greedy", self(_float(obs)))
+    def action_dist(self, obs: torch.Tensor) -> Greedy:
+        return Greedy(self(_float(obs)))
 
 
 def _uniform_actions(actor: Any, obs: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,7 @@ class DeployableSACActor:
     before the tanh, ``get_action(x)`` returning ``(action, log_prob, mean)`` with actions scaled by
     the ``action_scale`` and ``action_bias`` buffers. The mixin adds ``act(obs, random=False)``
     (sampled actions; uniform ones with ``random``, as before ``learning_starts``) and
-    ``action_dist(obs)``: ``("gaussian", mean, log_std)``. The KL of the squashed, scaled actions
+    ``action_dist(obs)``: ``Gaussian(mean, log_std)``. The KL of the squashed, scaled actions
     equals that of these Gaussians (tanh and the scaling are bijections).
     """
 
@@ -162,9 +163,9 @@ class DeployableSACActor:
         actions = _uniform_actions(self, obs) if random else self.get_action(obs)[0]
         return {"actions": actions}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
+    def action_dist(self, obs: torch.Tensor) -> Gaussian:
         mean, log_std = self(_float(obs))
-        return ("gaussian", mean, log_std)
+        return Gaussian(mean, log_std)
 
 
 class DeployableTD3Actor:
@@ -174,7 +175,7 @@ class DeployableTD3Actor:
     ``action_bias`` buffers. ``act(obs, random=False, exploration_noise=...)`` adds CleanRL's noise,
     ``N(0, action_scale * exploration_noise)``, and clips to the Box (uniform actions with
     ``random``). For AAPS the acting policy is that Gaussian around ``forward(x)``:
-    ``action_dist(obs)`` is ``("gaussian", mu, log(action_scale * exploration_noise))``, so the
+    ``action_dist(obs)`` is ``Gaussian(mu, log(action_scale * exploration_noise))``, so the
     divergence of two actors is ``||mu_d - mu_c||^2 / (2 sigma^2)``; set the instance's
     ``exploration_noise`` to the script's (CleanRL's default, 0.1, otherwise).
     """
@@ -193,11 +194,11 @@ class DeployableTD3Actor:
         low, high = self.action_bias - self.action_scale, self.action_bias + self.action_scale
         return {"actions": torch.max(torch.min(actions, high), low)}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
+    def action_dist(self, obs: torch.Tensor) -> Gaussian:
         import torch
 
         mu = self(_float(obs))
-        return ("gaussian", mu, torch.log(self.action_scale * self.exploration_noise).expand_as(mu))
+        return Gaussian(mu, torch.log(self.action_scale * self.exploration_noise).expand_as(mu))
 
 
 class Episode(NamedTuple):
@@ -426,7 +427,7 @@ class WorkerRollouts:
     def __init__(
         self,
         envs: Any,
-        policy: Any,
+        policy: DeployablePolicy,
         num_steps: int,
         *,
         sync: str = "always",
