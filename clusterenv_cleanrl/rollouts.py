@@ -225,14 +225,6 @@ def episodic_returns(rollout: Rollout, start_step: int = 0) -> list[Episode]:
     return episodes
 
 
-def _done(rollout: Rollout) -> np.ndarray:
-    return np.logical_or(rollout.terminated, rollout.truncated)
-
-
-def _final_obs_batch(rollout: Rollout, steps: np.ndarray, envs: np.ndarray) -> np.ndarray:
-    return np.stack([np.asarray(rollout.final_observation(int(t), int(i))) for t, i in zip(steps, envs)])
-
-
 @dataclass
 class PPOBatch:
     """One segment as CleanRL's PPO stores it, time-major ``(num_steps, num_envs, ...)`` tensors.
@@ -282,8 +274,7 @@ def ppo_batch(
     num_steps, num_envs = rollout.rewards.shape
     obs = torch.tensor(np.asarray(rollout.obs), dtype=torch.float32)
     next_obs = torch.tensor(np.asarray(rollout.last_obs), dtype=torch.float32)
-    done = _done(rollout)
-    rewards = rollout.rewards.astype(np.float32)
+    done = rollout.dones
     actions = torch.tensor(np.asarray(rollout.actions))
     with torch.no_grad():
         flat_obs = obs.reshape(num_steps * num_envs, *obs.shape[2:])
@@ -292,10 +283,9 @@ def ppo_batch(
         )
         values = values.reshape(num_steps, num_envs)
         # A truncated episode did not end by the MDP: bootstrap from its real last observation.
-        steps, envs = np.nonzero(rollout.truncated & ~rollout.terminated)
-        if len(steps):
-            final = torch.tensor(_final_obs_batch(rollout, steps, envs), dtype=torch.float32)
-            rewards[steps, envs] += gamma * agent.get_value(final).reshape(-1).numpy()
+        rewards = rollout.bootstrapped_rewards(
+            gamma, lambda final: agent.get_value(torch.tensor(final, dtype=torch.float32)).reshape(-1).numpy()
+        )
     dones = np.zeros((num_steps, num_envs), dtype=np.float32)
     if episode_starts is not None:
         dones[0] = np.asarray(episode_starts, dtype=np.float32)
@@ -331,11 +321,7 @@ def replay_transitions(rollout: Rollout) -> list[Transition]:
     episode (not the reset observation that follows it in same-step autoreset)."""
     if isinstance(rollout.obs, dict):
         raise TypeError("Dict observations are not supported by replay_transitions")
-    obs = np.array(rollout.obs)
-    next_obs = np.concatenate([obs[1:], np.array(rollout.last_obs)[None]])
-    steps, envs = np.nonzero(_done(rollout))
-    if len(steps):
-        next_obs[steps, envs] = _final_obs_batch(rollout, steps, envs)
+    obs, next_obs = np.array(rollout.obs), rollout.next_observations()
     actions, rewards = np.array(rollout.actions), np.array(rollout.rewards)
     terminated, truncated = np.array(rollout.terminated), np.array(rollout.truncated)
     return [
@@ -484,14 +470,14 @@ class WorkerRollouts:
         start_step = self.global_step
         rollout = self.collect()
         episode_starts[rollout.restarted_envs] = True  # the new envs of a replaced worker
-        self.next_done = _done(rollout)[-1].copy()
+        self.next_done = rollout.dones[-1]
         return ppo_batch(rollout, self.policy, gamma, episode_starts, start_step)
 
     def collect_replay(self, rb: Any, context: dict | None = None) -> list[Episode]:
         """Collect the next segment into SB3's ``ReplayBuffer`` ``rb``; returns the episodes that ended."""
         start_step = self.global_step
         rollout = self.collect(context)
-        self.next_done = _done(rollout)[-1].copy()
+        self.next_done = rollout.dones[-1]
         add_to_replay_buffer(rb, rollout)
         return episodic_returns(rollout, start_step)
 
