@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)
 import gymnasium as gym  # noqa: E402
 import torch  # noqa: E402
 
+from clusterenv_core.policy import Categorical
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -62,7 +63,7 @@ class MLPPolicy(torch.nn.Module):
         return {"actions": actions, "log_probs": dist.log_prob(actions), "values": self.value(hidden).squeeze(-1)}
 
     def action_dist(self, obs):
-        return ("categorical", self.logits(self.body(obs)))
+        return Categorical(self.logits(self.body(obs)))
 
 
 def central(venv: ClusterVecEnv, policy: MLPPolicy, seconds: float, max_steps: int) -> tuple[float, float]:

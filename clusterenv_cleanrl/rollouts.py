@@ -44,6 +44,7 @@ import numpy as np
 from clusterenv_cleanrl.vector_env import RESET_OMIT_IF_NONE
 from clusterenv_core.aaps import PolicySync
 from clusterenv_core.checks import check_int
+from clusterenv_core.policy import ActionDistribution, Categorical, DeployablePolicy, Gaussian, Greedy, MultiCategorical
 from clusterenv_core.pool import EnvPool
 from clusterenv_core.rollout import Rollout
 
@@ -85,32 +86,32 @@ class DeployableAgent:
 
     - ``act(obs)``: ``get_action_and_value`` on a worker (sampled actions, their log-probabilities
       and values);
-    - ``action_dist(obs)``: ``("categorical", self.actor(obs))`` for discrete agents; for
+    - ``action_dist(obs)``: ``Categorical(self.actor(obs))`` for discrete agents; for
       MultiDiscrete ones, ``self.actor(obs)`` split by ``self.nvec`` (CleanRL's
-      ``ppo_multidiscrete`` agent keeps its action space's ``nvec``) as ``"multicategorical"``; or
-      ``("gaussian", self.actor_mean(obs), self.actor_logstd)`` for CleanRL's continuous agent.
-      Override it for other heads.
+      ``ppo_multidiscrete`` agent keeps its action space's ``nvec``) as a ``MultiCategorical``; or
+      ``Gaussian(self.actor_mean(obs), self.actor_logstd)`` for CleanRL's continuous agent.
+      Override it for other heads (the distributions are in :mod:`clusterenv_core.policy`).
     """
 
     def act(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
         action, log_prob, _, value = self.get_action_and_value(_float(obs))
         return {"actions": action, "log_probs": log_prob, "values": value.reshape(-1)}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
+    def action_dist(self, obs: torch.Tensor) -> ActionDistribution:
         obs = _float(obs)
         if hasattr(self, "actor_mean") and hasattr(self, "actor_logstd"):
             mean = self.actor_mean(obs)
-            return ("gaussian", mean, self.actor_logstd.expand_as(mean))
+            return Gaussian(mean, self.actor_logstd.expand_as(mean))
         if hasattr(self, "actor"):
             logits = self.actor(obs)
             if hasattr(self, "nvec"):
                 import torch
 
-                return ("multicategorical", list(torch.split(logits, [int(n) for n in self.nvec], dim=-1)))
-            return ("categorical", logits)
+                return MultiCategorical(list(torch.split(logits, [int(n) for n in self.nvec], dim=-1)))
+            return Categorical(logits)
         raise NotImplementedError(
             f"{type(self).__name__} has neither `actor` (logits) nor `actor_mean`/`actor_logstd`: "
-            "override action_dist(obs) to return (kind, *params) (see clusterenv_core.aaps)"
+            "override action_dist(obs) to return a distribution of clusterenv_core.policy"
         )
 
 
@@ -119,7 +120,7 @@ class DeployableQNetwork:
 
     ``forward(x)`` must return the Q-values. ``act(obs, epsilon=0.0)`` is epsilon-greedy per env
     (random draws from the worker's torch generator, seeded by ``EnvPool.deploy(seed=...)``);
-    ``action_dist`` is ``("greedy", q_values)``, so AAPS measures the fraction of changed greedy actions.
+    ``action_dist`` is ``Greedy(q_values)``, so AAPS measures the fraction of changed greedy actions.
     """
 
     def act(self, obs: torch.Tensor, epsilon: float = 0.0) -> dict[str, torch.Tensor]:
@@ -132,8 +133,8 @@ class DeployableQNetwork:
             actions = torch.where(explore, torch.randint(q_values.shape[-1], actions.shape), actions)
         return {"actions": actions}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
-        return ("greedy", self(_float(obs)))
+    def action_dist(self, obs: torch.Tensor) -> Greedy:
+        return Greedy(self(_float(obs)))
 
 
 def _uniform_actions(actor: Any, obs: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,7 @@ class DeployableSACActor:
     before the tanh, ``get_action(x)`` returning ``(action, log_prob, mean)`` with actions scaled by
     the ``action_scale`` and ``action_bias`` buffers. The mixin adds ``act(obs, random=False)``
     (sampled actions; uniform ones with ``random``, as before ``learning_starts``) and
-    ``action_dist(obs)``: ``("gaussian", mean, log_std)``. The KL of the squashed, scaled actions
+    ``action_dist(obs)``: ``Gaussian(mean, log_std)``. The KL of the squashed, scaled actions
     equals that of these Gaussians (tanh and the scaling are bijections).
     """
 
@@ -162,9 +163,9 @@ class DeployableSACActor:
         actions = _uniform_actions(self, obs) if random else self.get_action(obs)[0]
         return {"actions": actions}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
+    def action_dist(self, obs: torch.Tensor) -> Gaussian:
         mean, log_std = self(_float(obs))
-        return ("gaussian", mean, log_std)
+        return Gaussian(mean, log_std)
 
 
 class DeployableTD3Actor:
@@ -174,7 +175,7 @@ class DeployableTD3Actor:
     ``action_bias`` buffers. ``act(obs, random=False, exploration_noise=...)`` adds CleanRL's noise,
     ``N(0, action_scale * exploration_noise)``, and clips to the Box (uniform actions with
     ``random``). For AAPS the acting policy is that Gaussian around ``forward(x)``:
-    ``action_dist(obs)`` is ``("gaussian", mu, log(action_scale * exploration_noise))``, so the
+    ``action_dist(obs)`` is ``Gaussian(mu, log(action_scale * exploration_noise))``, so the
     divergence of two actors is ``||mu_d - mu_c||^2 / (2 sigma^2)``; set the instance's
     ``exploration_noise`` to the script's (CleanRL's default, 0.1, otherwise).
     """
@@ -193,11 +194,11 @@ class DeployableTD3Actor:
         low, high = self.action_bias - self.action_scale, self.action_bias + self.action_scale
         return {"actions": torch.max(torch.min(actions, high), low)}
 
-    def action_dist(self, obs: torch.Tensor) -> tuple:
+    def action_dist(self, obs: torch.Tensor) -> Gaussian:
         import torch
 
         mu = self(_float(obs))
-        return ("gaussian", mu, torch.log(self.action_scale * self.exploration_noise).expand_as(mu))
+        return Gaussian(mu, torch.log(self.action_scale * self.exploration_noise).expand_as(mu))
 
 
 class Episode(NamedTuple):
@@ -222,14 +223,6 @@ def episodic_returns(rollout: Rollout, start_step: int = 0) -> list[Episode]:
                 r, length = np.asarray(stats["r"]).item(), np.asarray(stats["l"]).item()
                 episodes.append(Episode(start_step + (t + 1) * num_envs, index, float(r), int(length)))
     return episodes
-
-
-def _done(rollout: Rollout) -> np.ndarray:
-    return np.logical_or(rollout.terminated, rollout.truncated)
-
-
-def _final_obs_batch(rollout: Rollout, steps: np.ndarray, envs: np.ndarray) -> np.ndarray:
-    return np.stack([np.asarray(rollout.final_observation(int(t), int(i))) for t, i in zip(steps, envs)])
 
 
 @dataclass
@@ -281,8 +274,7 @@ def ppo_batch(
     num_steps, num_envs = rollout.rewards.shape
     obs = torch.tensor(np.asarray(rollout.obs), dtype=torch.float32)
     next_obs = torch.tensor(np.asarray(rollout.last_obs), dtype=torch.float32)
-    done = _done(rollout)
-    rewards = rollout.rewards.astype(np.float32)
+    done = rollout.dones
     actions = torch.tensor(np.asarray(rollout.actions))
     with torch.no_grad():
         flat_obs = obs.reshape(num_steps * num_envs, *obs.shape[2:])
@@ -291,10 +283,9 @@ def ppo_batch(
         )
         values = values.reshape(num_steps, num_envs)
         # A truncated episode did not end by the MDP: bootstrap from its real last observation.
-        steps, envs = np.nonzero(rollout.truncated & ~rollout.terminated)
-        if len(steps):
-            final = torch.tensor(_final_obs_batch(rollout, steps, envs), dtype=torch.float32)
-            rewards[steps, envs] += gamma * agent.get_value(final).reshape(-1).numpy()
+        rewards = rollout.bootstrapped_rewards(
+            gamma, lambda final: agent.get_value(torch.tensor(final, dtype=torch.float32)).reshape(-1).numpy()
+        )
     dones = np.zeros((num_steps, num_envs), dtype=np.float32)
     if episode_starts is not None:
         dones[0] = np.asarray(episode_starts, dtype=np.float32)
@@ -330,11 +321,7 @@ def replay_transitions(rollout: Rollout) -> list[Transition]:
     episode (not the reset observation that follows it in same-step autoreset)."""
     if isinstance(rollout.obs, dict):
         raise TypeError("Dict observations are not supported by replay_transitions")
-    obs = np.array(rollout.obs)
-    next_obs = np.concatenate([obs[1:], np.array(rollout.last_obs)[None]])
-    steps, envs = np.nonzero(_done(rollout))
-    if len(steps):
-        next_obs[steps, envs] = _final_obs_batch(rollout, steps, envs)
+    obs, next_obs = np.array(rollout.obs), rollout.next_observations()
     actions, rewards = np.array(rollout.actions), np.array(rollout.rewards)
     terminated, truncated = np.array(rollout.terminated), np.array(rollout.truncated)
     return [
@@ -426,7 +413,7 @@ class WorkerRollouts:
     def __init__(
         self,
         envs: Any,
-        policy: Any,
+        policy: DeployablePolicy,
         num_steps: int,
         *,
         sync: str = "always",
@@ -483,14 +470,14 @@ class WorkerRollouts:
         start_step = self.global_step
         rollout = self.collect()
         episode_starts[rollout.restarted_envs] = True  # the new envs of a replaced worker
-        self.next_done = _done(rollout)[-1].copy()
+        self.next_done = rollout.dones[-1]
         return ppo_batch(rollout, self.policy, gamma, episode_starts, start_step)
 
     def collect_replay(self, rb: Any, context: dict | None = None) -> list[Episode]:
         """Collect the next segment into SB3's ``ReplayBuffer`` ``rb``; returns the episodes that ended."""
         start_step = self.global_step
         rollout = self.collect(context)
-        self.next_done = _done(rollout)[-1].copy()
+        self.next_done = rollout.dones[-1]
         add_to_replay_buffer(rb, rollout)
         return episodic_returns(rollout, start_step)
 

@@ -9,67 +9,32 @@ states — and publishes the weights only when the divergence exceeds a threshol
 - greedy or epsilon-greedy value-based policies: the fraction of probe states whose greedy action
   changed.
 
-A policy reports its distribution with ``action_dist(obs)`` returning one of
-``("categorical", logits)``, ``("gaussian", mean, log_std)``, ``("multicategorical", [logits, ...])``,
-``("bernoulli", logits)`` or ``("greedy", q_values)``. torch is imported only when used.
+A policy reports its distribution with ``action_dist(obs)``, returning one of the distributions of
+:mod:`clusterenv_core.policy` (``Categorical``, ``Gaussian``, ``MultiCategorical``, ``Bernoulli``,
+``Greedy``), each of which computes its own divergence. torch is imported only when used.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from clusterenv_core.errors import ClusterEnvError
+from clusterenv_core.policy import DeployablePolicy
 
 SYNC_MODES = ("always", "aaps", "never")
 
 
-def _categorical_kl(logits_p, logits_q):
-    log_p = logits_p.log_softmax(-1)
-    log_q = logits_q.log_softmax(-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
-
-
-def per_state_divergence(deployed: tuple, current: tuple):
-    """Divergence of each probe state between two ``action_dist`` results of the same kind."""
-    import torch.nn.functional as F
-
-    kind = deployed[0]
-    if kind != current[0]:
-        raise ValueError(f"cannot compare a {kind} policy with a {current[0]} policy")
-    if kind == "categorical":
-        return _categorical_kl(deployed[1], current[1])
-    if kind == "multicategorical":
-        return sum(_categorical_kl(p, q) for p, q in zip(deployed[1], current[1]))
-    if kind == "gaussian":
-        mean_p, log_std_p = deployed[1], deployed[2]
-        mean_q, log_std_q = current[1], current[2]
-        var_p, var_q = (2 * log_std_p).exp(), (2 * log_std_q).exp()
-        kl = log_std_q - log_std_p + (var_p + (mean_p - mean_q) ** 2) / (2 * var_q) - 0.5
-        return kl.reshape(kl.shape[0], -1).sum(-1) if kl.dim() > 1 else kl
-    if kind == "bernoulli":
-        p, q = deployed[1], current[1]
-        # KL(Bern(sigmoid p) || Bern(sigmoid q)) with log-sigmoids for stability.
-        prob_p = p.sigmoid()
-        kl = prob_p * (F.logsigmoid(p) - F.logsigmoid(q)) + (1 - prob_p) * (F.logsigmoid(-p) - F.logsigmoid(-q))
-        return kl.reshape(kl.shape[0], -1).sum(-1)
-    if kind == "greedy":
-        return (deployed[1].argmax(-1) != current[1].argmax(-1)).float()
-    raise ValueError(f"unknown distribution kind {kind!r}")
-
-
-def divergence(deployed_policy: Any, current_policy: Any, probe_obs: Any) -> float:
+def divergence(deployed_policy: DeployablePolicy, current_policy: DeployablePolicy, probe_obs: Any) -> float:
     """Mean divergence between two policies on the same probe observations (numpy or tensors)."""
     import torch
 
     obs = _to_tensor(probe_obs)
     with torch.no_grad():
-        return float(per_state_divergence(deployed_policy.action_dist(obs), current_policy.action_dist(obs)).mean())
+        return float(deployed_policy.action_dist(obs).divergence(current_policy.action_dist(obs)).mean())
 
 
 def _length(batch: Any) -> int:
@@ -115,8 +80,7 @@ class PolicySync:
     """Decides after each learner update whether the workers get the new weights.
 
     :param actors: the :class:`~clusterenv_core.actors.WorkerActors` that :meth:`EnvPool.deploy
-        <clusterenv_core.pool.EnvPool.deploy>` returned (an ``EnvPool`` with a deployed policy is
-        still taken, deprecated)
+        <clusterenv_core.pool.EnvPool.deploy>` returned
     :param policy: the learner's policy module (the one updated in place)
     :param mode: ``"always"`` (every update, the baseline), ``"aaps"`` (when the divergence exceeds
         ``threshold``) or ``"never"`` (workers keep the initial weights)
@@ -128,23 +92,12 @@ class PolicySync:
     def __init__(
         self,
         actors: Any,
-        policy: Any,
+        policy: DeployablePolicy,
         mode: str = "aaps",
         threshold: float = 0.01,
         max_staleness: int | None = None,
         probe_size: int = 256,
     ) -> None:
-        from clusterenv_core.pool import EnvPool
-
-        if isinstance(actors, EnvPool):  # as before WorkerActors existed
-            if actors.actors is None:
-                raise ClusterEnvError("no policy deployed on this pool: call pool.deploy(policy) first")
-            warnings.warn(
-                "PolicySync(pool, ...) is deprecated: pass the WorkerActors that pool.deploy() returns",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            actors = actors.actors
         self.actors = actors
         self.policy = policy
         self.configure(mode, threshold, max_staleness, probe_size)

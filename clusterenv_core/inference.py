@@ -7,20 +7,15 @@ writes follow a sequence lock, so a worker never loads half-written weights; a w
 by a write asks now and then whether the learner lives (one killed mid-write never ends it), and
 ends when it is gone.
 
-A deployable policy is a ``torch.nn.Module`` with
-
-- ``act(obs, **context) -> dict`` of tensors: ``"actions"`` (stored in the rollout), optionally
-  ``"env_actions"`` (sent to the envs instead, e.g. clipped), ``"log_probs"`` and ``"values"``;
-  ``obs`` is a tensor (a dict of tensors for Dict spaces) of a worker's envs, ``context`` what the
-  learner passed to the rollout (an exploration rate, ...);
-- ``action_dist(obs) -> (kind, *params)`` for AAPS on the learner (see :mod:`clusterenv_core.aaps`);
-- optionally ``numpy_actor(rng)``: ``None``, or a callable ``(obs, **context) -> dict`` of numpy
-  arrays that does what ``act`` does without torch, on the numpy observations, drawing from
-  ``rng`` (the worker's seeded ``numpy.random.Generator``); a worker then calls it instead of
-  ``act``. For small policies torch's fixed cost per operation is most of ``act``, and more so on a
-  worker, where the env steps between two calls evict torch's code from the caches (SB3's
-  ``MlpPolicy`` on 8 HalfCheetah observations: 850 µs of CPU a call inside a rollout, 370 µs in a
-  loop of calls alone; in numpy 265 and 150 µs).
+A deployable policy is a ``torch.nn.Module`` with ``act`` (run here, on the workers) and
+``action_dist`` (for AAPS on the learner), as :class:`clusterenv_core.policy.DeployablePolicy`
+says, and optionally ``numpy_actor(rng)``: ``None``, or a callable ``(obs, **context) -> dict`` of
+numpy arrays that does what ``act`` does without torch, on the numpy observations, drawing from
+``rng`` (the worker's seeded ``numpy.random.Generator``); a worker then calls it instead of
+``act``. For small policies torch's fixed cost per operation is most of ``act``, and more so on a
+worker, where the env steps between two calls evict torch's code from the caches (SB3's
+``MlpPolicy`` on 8 HalfCheetah observations: 850 µs of CPU a call inside a rollout, 370 µs in a
+loop of calls alone; in numpy 265 and 150 µs).
 
 torch is imported here only inside functions, so the core imports without it.
 """

@@ -7,6 +7,7 @@ so a worker's block of envs is one contiguous slice; :class:`Rollout` presents t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,76 @@ class Rollout:
         if (step, index) in self.pickled_final_obs:
             return self.pickled_final_obs[(step, index)]
         return self._obs_layout.read([array[step] for array in self._final_obs], index)
+
+    # -- what learners derive from a segment, the same for every adapter --------------------------
+
+    @property
+    def dones(self) -> np.ndarray:
+        """``(n_steps, num_envs)``: where an episode ended, terminated or truncated."""
+        return self.terminated | self.truncated
+
+    @property
+    def timeouts(self) -> np.ndarray:
+        """``(n_steps, num_envs)``: where an episode was truncated and not terminated (a time limit,
+        a restart): its return goes on past the end, so learners bootstrap from the final observation."""
+        return self.truncated & ~self.terminated
+
+    def obs_at(self, step: int) -> Any:
+        """What the policy saw at ``step``, for every env (views)."""
+        return _map(lambda array: array[step], self.obs)
+
+    def obs_after(self, step: int) -> Any:
+        """The observation each env returned at ``step`` (views): the reset one where an episode
+        ended, since segments reset in the same step."""
+        return self.obs_at(step + 1) if step + 1 < self.n_steps else self.last_obs
+
+    def final_observations(self, steps: np.ndarray, envs: np.ndarray) -> Any:
+        """The final observations of the episodes ``envs[k]`` ended at ``steps[k]``, stacked (copies)."""
+        return _stack([self.final_observation(int(step), int(env)) for step, env in zip(steps, envs)])
+
+    def next_observations(self) -> Any:
+        """Time-major copies of each step's next observation as a transition has it: the episode's
+        final observation where it ended, else the observation after the step."""
+        next_obs = _map(lambda obs, last: np.concatenate([obs[1:], np.asarray(last)[None]]), self.obs, self.last_obs)
+        steps, envs = np.nonzero(self.dones)
+        if len(steps):
+            finals = self.final_observations(steps, envs)
+
+            def place(array: np.ndarray, final: np.ndarray) -> np.ndarray:
+                array[steps, envs] = final
+                return array
+
+            next_obs = _map(place, next_obs, finals)
+        return next_obs
+
+    def bootstrapped_rewards(self, gamma: float, values: Callable[[Any], np.ndarray]) -> np.ndarray:
+        """The rewards as float32 (as SB3's buffers and CleanRL's tensors hold them), with
+        ``gamma * V(final observation)`` added at :attr:`timeouts`.
+
+        :param gamma: the discount
+        :param values: the learner's values (a float32 array, one per observation) of a batch of
+            stacked final observations; not called when no episode timed out
+        """
+        rewards = self.rewards.astype(np.float32)
+        steps, envs = np.nonzero(self.timeouts)
+        if len(steps):
+            rewards[steps, envs] += gamma * values(self.final_observations(steps, envs))
+        return rewards
+
+
+def _map(function: Callable[..., Any], value: Any, *others: Any) -> Any:
+    """``function`` applied to the arrays of one or more observations of the same structure (nested
+    dicts and tuples), leaf by leaf."""
+    if isinstance(value, dict):
+        return {key: _map(function, value[key], *(other[key] for other in others)) for key in value}
+    if isinstance(value, tuple):
+        return tuple(_map(function, *items) for items in zip(value, *others))
+    return function(value, *others)
+
+
+def _stack(observations: list[Any]) -> Any:
+    """One batch of ``observations`` (each a value of the space): arrays stacked leaf by leaf."""
+    return _map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *observations)
 
 
 def time_major(layout: SpaceLayout, arrays: list[np.ndarray]) -> Any:

@@ -9,8 +9,9 @@ on the workers (give them a bare ``ClusterVecEnv``); ``AAPSCallback`` syncs weig
 
 from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_sb3.aaps_callback import AAPSCallback
-from clusterenv_sb3.algorithms import A2C, DQN, PPO, SAC, TD3
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
+from clusterenv_sb3.off_policy import DQN, SAC, TD3
+from clusterenv_sb3.on_policy import A2C, PPO
 
 __all__ = [
     "A2C",

@@ -1,5 +1,10 @@
 """SB3's PPO, A2C, DQN, SAC and TD3 with worker-side inference: the workers act, the learner only learns.
 
+The algorithms are in :mod:`clusterenv_sb3.on_policy` (PPO, A2C) and :mod:`clusterenv_sb3.off_policy`
+(DQN, SAC, TD3); this module is what they share: :class:`WorkerInferenceMixin` (the env check,
+deployment, segments, overlap and the sync after updates), and how a segment reads as SB3's VecEnv
+steps (:class:`_Segment`).
+
 ``clusterenv_sb3.PPO``, ``A2C``, ``DQN``, ``SAC`` and ``TD3`` are Stable-Baselines3's algorithms with their
 constructors unchanged (plus ``overlap_collection``, and ``max_behaviour_weight`` for PPO and
 A2C), learning from rollout segments that the ClusterEnv workers collect with their own copy of
@@ -37,14 +42,8 @@ import time
 from typing import Any
 
 import numpy as np
-import stable_baselines3 as sb3
 import torch as th
-from gymnasium import spaces
-from stable_baselines3.common.buffers import ReplayBuffer, RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.noise import NormalActionNoise, VectorizedActionNoise
-from stable_baselines3.common.type_aliases import RolloutReturn, TrainFreq, TrainFrequencyUnit
-from stable_baselines3.common.utils import obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
 
 from clusterenv_core.aaps import PolicySync
@@ -53,7 +52,7 @@ from clusterenv_core.inference import same_state
 from clusterenv_core.learner_threads import spare_cores
 from clusterenv_core.rollout import Rollout
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
-from clusterenv_sb3.policies import TD3ActorDeployable, make_deployable
+from clusterenv_sb3.policies import make_deployable
 
 DEFAULT_SYNC = {"mode": "always", "threshold": 0.01, "max_staleness": None, "probe_size": 256}
 
@@ -130,30 +129,10 @@ class _LearnerThreads:
             self.capped = False
 
 
-def _index(obs: Any, key: Any) -> Any:
-    """``obs[key]`` for arrays and dicts of arrays."""
-    if isinstance(obs, dict):
-        return {name: value[key] for name, value in obs.items()}
-    return obs[key]
-
-
 def _copy(obs: Any) -> Any:
     if isinstance(obs, dict):
         return {name: np.array(value) for name, value in obs.items()}
     return np.array(obs)
-
-
-def _flatten(obs: Any, leading: int) -> Any:
-    """Merge the first two axes (time, env) into one batch axis."""
-    if isinstance(obs, dict):
-        return {name: _flatten(value, leading) for name, value in obs.items()}
-    return obs.reshape(leading, *obs.shape[2:])
-
-
-def _stack(observations: list) -> Any:
-    if isinstance(observations[0], dict):
-        return {name: np.stack([np.asarray(obs[name]) for obs in observations]) for name in observations[0]}
-    return np.stack([np.asarray(obs) for obs in observations])
 
 
 class _Segment:
@@ -162,11 +141,10 @@ class _Segment:
     def __init__(self, rollout: Rollout, env: ClusterVecEnv) -> None:
         self.rollout = rollout
         self.env = env
-        self.dones = rollout.terminated | rollout.truncated
-        # Truncated and not terminated: what ClusterVecEnv reports as TimeLimit.truncated.
-        self.timeouts = rollout.truncated & ~rollout.terminated
-        # Python lists: cheaper than numpy arrays to index per env.
-        self._dones, self._timeouts = self.dones.tolist(), self.timeouts.tolist()
+        self.dones = rollout.dones
+        # Python lists: cheaper than numpy arrays to index per env. The timeouts are what
+        # ClusterVecEnv reports as TimeLimit.truncated.
+        self._dones, self._timeouts = self.dones.tolist(), rollout.timeouts.tolist()
 
     def step(self, t: int) -> tuple[np.ndarray, np.ndarray, list[dict]]:
         """``rewards`` (float32, as DummyVecEnv), ``dones`` and ``infos`` of step ``t``, built as
@@ -186,9 +164,7 @@ class _Segment:
 
     def next_obs(self, t: int) -> Any:
         """The observation after step ``t`` (a copy)."""
-        if t + 1 < self.rollout.n_steps:
-            return _copy(_index(self.rollout.obs, t + 1))
-        return _copy(self.rollout.last_obs)
+        return _copy(self.rollout.obs_after(t))
 
 
 # What deploying a policy imports on the workers. Starting torch takes a worker a second or more:
@@ -247,7 +223,12 @@ class WorkerInferenceMixin:
     ) -> None:
         """Set how the workers' weights follow the learner for the current ``learn()`` call
         (:class:`~clusterenv_sb3.AAPSCallback` calls this; each ``learn()`` starts from ``always``)."""
-        self._sync_config = {"mode": mode, "threshold": threshold, "max_staleness": max_staleness, "probe_size": probe_size}
+        self._sync_config = {
+            "mode": mode,
+            "threshold": threshold,
+            "max_staleness": max_staleness,
+            "probe_size": probe_size,
+        }
         if self._policy_sync is not None:
             self._apply_sync_config()
 
@@ -271,7 +252,9 @@ class WorkerInferenceMixin:
             "_learn_started",
         ]
 
-    def _setup_learn(self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any) -> tuple[int, BaseCallback]:
+    def _setup_learn(
+        self, total_timesteps: int, callback: Any = None, *args: Any, **kwargs: Any
+    ) -> tuple[int, BaseCallback]:
         check_cluster_vec_env(self.env, self._algorithm_name())
         self._drain_started()
         self._sync_config = dict(DEFAULT_SYNC)  # an AAPSCallback among the callbacks reconfigures it
@@ -409,316 +392,4 @@ class WorkerInferenceMixin:
                 return
             raise
         self._last_obs = _copy(rollout.last_obs)
-        self._last_episode_starts = (rollout.terminated[-1] | rollout.truncated[-1]).copy()
-
-
-class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
-    """On-policy collection (PPO, A2C) from worker-collected segments, filling SB3's ``RolloutBuffer``."""
-
-    max_behaviour_weight: float
-
-    def __init__(
-        self, *args: Any, overlap_collection: bool = False, max_behaviour_weight: float = 2.0, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)  # the SB3 algorithm's constructor
-        if isinstance(max_behaviour_weight, bool) or not isinstance(max_behaviour_weight, (int, float)) or not (
-            max_behaviour_weight >= 1.0
-        ):
-            raise ValueError(
-                f"max_behaviour_weight must be a number >= 1 (inf: no truncation), got {max_behaviour_weight!r}"
-            )
-        self.max_behaviour_weight = float(max_behaviour_weight)
-        self._init_worker_inference(overlap_collection)
-
-    def _segment_request(self) -> tuple[int, dict]:
-        return self.n_steps, {}
-
-    def collect_rollouts(
-        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
-    ) -> bool:
-        """Fill ``rollout_buffer`` from one worker-collected segment as SB3's ``collect_rollouts`` would."""
-        assert self._last_obs is not None, "No previous observation was provided"
-        if n_rollout_steps != self.n_steps:
-            raise ValueError(f"segments have n_steps={self.n_steps} steps, {n_rollout_steps} were asked for")
-        self.policy.set_training_mode(False)
-        n_steps = 0
-        rollout_buffer.reset()
-        callback.on_rollout_start()
-
-        rollout = self._rollout(env)
-        num_envs = env.num_envs
-        batch = n_rollout_steps * num_envs
-        if rollout.restarted_envs:  # the new envs of a replaced worker start episodes at step 0
-            self._last_episode_starts = np.array(self._last_episode_starts, dtype=bool)
-            self._last_episode_starts[rollout.restarted_envs] = True
-        # The next segment (in the pool's other region) runs while this one is processed and trained on.
-        self._start_next_segment(uncounted=batch)
-        segment = _Segment(rollout, env)
-        flat_actions = th.as_tensor(
-            np.asarray(rollout.actions).reshape(batch, -1), dtype=th.float32, device=self.device
-        )
-        if isinstance(self.action_space, spaces.Discrete):
-            flat_actions = flat_actions.long().flatten()  # as SB3's train() hands them to the policy
-        with th.no_grad():
-            # The learner's critic and log-probabilities on every step of the segment, in one pass.
-            all_values, learner_log_probs, _ = self.policy.evaluate_actions(
-                obs_as_tensor(_flatten(rollout.obs, batch), self.device), flat_actions
-            )
-            all_values = all_values.reshape(n_rollout_steps, num_envs, 1)
-            all_log_probs = learner_log_probs.reshape(n_rollout_steps, num_envs)
-            # Bootstrapping on truncation: gamma * V(terminal observation), one pass for the segment.
-            bootstrap = np.zeros((n_rollout_steps, num_envs), np.float32)
-            steps, envs = np.nonzero(segment.timeouts)
-            if len(steps):
-                terminal_obs = _stack([rollout.final_observation(t, i) for t, i in zip(steps, envs)])
-                terminal_values = self.policy.predict_values(obs_as_tensor(terminal_obs, self.device)).flatten()
-                bootstrap[steps, envs] = (self.gamma * terminal_values).cpu().numpy()
-        # Decoupled policy gradient: the workers' (possibly stale) policy chose the actions, so each step
-        # is weighted by pi_learner / pi_workers, truncated; the learner's log-probs anchor PPO's clip.
-        behaviour_weights = np.minimum(
-            np.exp(all_log_probs.cpu().numpy() - rollout.log_probs), self.max_behaviour_weight
-        ).astype(np.float32)
-        sync = self._policy_sync
-        if sync.workers_current():
-            # Steps taken with the learner's own weights are SB3's on-policy steps, of weight 1
-            # exactly: log-probabilities recomputed over the whole segment differ from the workers'
-            # in the last bits, as float32 matrix products do with the batch size.
-            behaviour_weights[rollout.versions == sync.actors.policy_version] = 1.0
-
-        for t in range(n_rollout_steps):
-            obs = _index(rollout.obs, t)
-            actions = np.array(rollout.actions[t])
-            values = all_values[t]
-            log_probs = all_log_probs[t]
-            clipped_actions = actions
-            if isinstance(self.action_space, spaces.Box):
-                if self.policy.squash_output:
-                    clipped_actions = self.policy.unscale_action(clipped_actions)
-                else:
-                    clipped_actions = np.clip(actions, self.action_space.low, self.action_space.high)
-            rewards, dones, infos = segment.step(t)
-            new_obs = segment.next_obs(t)
-
-            self.num_timesteps += env.num_envs
-
-            # Give access to local variables
-            callback.update_locals(locals())
-            if not callback.on_step():
-                self._last_obs = _copy(rollout.last_obs)
-                self._last_episode_starts = segment.dones[-1].copy()
-                return False
-
-            self._update_info_buffer(infos, dones)
-            n_steps += 1
-
-            if isinstance(self.action_space, spaces.Discrete):
-                actions = actions.reshape(-1, 1)
-
-            # Handle timeout by bootstrapping with the value function (values computed above)
-            truncated = segment.timeouts[t]
-            rewards[truncated] += bootstrap[t, truncated]
-            rollout_buffer.add(obs, actions, rewards, self._last_episode_starts, values, log_probs)
-            self._last_obs = new_obs
-            self._last_episode_starts = dones
-
-        with th.no_grad():
-            values = self.policy.predict_values(obs_as_tensor(_copy(rollout.last_obs), self.device))
-
-        rollout_buffer.compute_returns_and_advantage(last_values=values, dones=dones)
-        # After the returns (value targets stay unweighted): the policy loss sees weighted advantages.
-        rollout_buffer.advantages *= behaviour_weights
-
-        callback.update_locals(locals())
-        callback.on_rollout_end()
-        return True
-
-
-class PPO(OnPolicyWorkerInferenceMixin, sb3.PPO):
-    """Stable-Baselines3's PPO with worker-side inference (same constructor as ``stable_baselines3.PPO``).
-
-    :param overlap_collection: collect the next segment while training on the current one (the
-        workers then act with weights up to one update old)
-    :param max_behaviour_weight: truncation of the importance weights pi_learner / pi_workers
-
-    When the workers' weights are stale (AAPS, ``never``, overlap) the segment comes from an older
-    policy than the learner's. The loss is then decoupled PPO (Hilton et al., "Batch size-invariance
-    for policy optimization"): the ratio and its clip are relative to the learner's policy when the
-    segment arrived, and each step's advantage is weighted by pi_learner / pi_workers. With
-    up-to-date workers the weights are 1 and this is SB3's PPO. (SB3 normalizes the weighted
-    advantages per minibatch.) Clipping against the workers' policy instead would keep the learner
-    within the clip range of the deployed weights until the next sync.
-
-    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
-    """
-
-
-class A2C(OnPolicyWorkerInferenceMixin, sb3.A2C):
-    """Stable-Baselines3's A2C with worker-side inference (same constructor as ``stable_baselines3.A2C``).
-
-    :param overlap_collection: collect the next segment while training on the current one
-    :param max_behaviour_weight: truncation of the importance weights pi_learner / pi_workers
-
-    Steps acted by stale weights (AAPS, ``never``, overlap) are importance-weighted by
-    pi_learner / pi_workers (truncated), which makes A2C's gradient that of the learner's policy.
-
-    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`. gSDE is not supported.
-    """
-
-
-class OffPolicyWorkerInferenceMixin(WorkerInferenceMixin):
-    """Off-policy collection (DQN, SAC, TD3): segments of ``train_freq`` steps stored in SB3's replay
-    buffer, transition by transition, as SB3's ``collect_rollouts`` stores them."""
-
-    def __init__(self, *args: Any, overlap_collection: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # the SB3 algorithm's constructor
-        self._init_worker_inference(overlap_collection)
-        if isinstance(self.train_freq, TrainFreq):  # converted by _setup_model (not when loading)
-            self._segment_request()  # refuses what the workers cannot do now rather than at learn()
-
-    def _segment_steps(self) -> int:
-        train_freq = self.train_freq
-        if not isinstance(train_freq, TrainFreq) or train_freq.unit != TrainFrequencyUnit.STEP:
-            raise NotImplementedError(
-                f"clusterenv_sb3.{self._algorithm_name()} collects fixed-length segments: train_freq must count "
-                f"steps, got {train_freq}; use stable_baselines3.{self._algorithm_name()} for train_freq in episodes"
-            )
-        return int(train_freq.frequency)
-
-    def collect_rollouts(
-        self,
-        env: VecEnv,
-        callback: BaseCallback,
-        train_freq: TrainFreq,
-        replay_buffer: ReplayBuffer,
-        action_noise: Any = None,
-        learning_starts: int = 0,
-        log_interval: int | None = None,
-    ) -> RolloutReturn:
-        """Store one worker-collected segment in ``replay_buffer`` as SB3's ``collect_rollouts`` would."""
-        self.policy.set_training_mode(False)
-        num_collected_steps, num_collected_episodes = 0, 0
-        if train_freq.unit != TrainFrequencyUnit.STEP or train_freq != self.train_freq:
-            raise NotImplementedError(f"segments follow the model's train_freq in steps ({self.train_freq}), got {train_freq}")
-        callback.on_rollout_start()
-
-        rollout = self._rollout(env)
-        segment = _Segment(rollout, env)
-        self._last_obs = _copy(_index(rollout.obs, 0))
-        for t in range(rollout.n_steps):
-            buffer_actions = np.array(rollout.actions[t])  # what the replay buffer stores (scaled)
-            # What the envs got, as SB3's _sample_action gives it to callbacks.
-            actions = self.policy.unscale_action(buffer_actions) if isinstance(self.action_space, spaces.Box) else buffer_actions
-            new_obs = segment.next_obs(t)
-            rewards, dones, infos = segment.step(t)
-
-            self.num_timesteps += env.num_envs
-            num_collected_steps += 1
-
-            # Give access to local variables
-            callback.update_locals(locals())
-            if not callback.on_step():
-                self._last_obs = _copy(rollout.last_obs)
-                return RolloutReturn(num_collected_steps * env.num_envs, num_collected_episodes, continue_training=False)
-
-            self._update_info_buffer(infos, dones)
-            # Stores the transition from self._last_obs and moves self._last_obs to new_obs.
-            self._store_transition(replay_buffer, buffer_actions, new_obs, rewards, dones, infos)
-            self._update_current_progress_remaining(self.num_timesteps, self._total_timesteps)
-            # Target network updates and the exploration schedule, per env step as in SB3.
-            self._on_step()
-
-            for done in dones:
-                if done:
-                    num_collected_episodes += 1
-                    self._episode_num += 1
-                    if log_interval is not None and self._episode_num % log_interval == 0:
-                        self.dump_logs()
-        callback.on_rollout_end()
-        self._start_next_segment()
-        return RolloutReturn(num_collected_steps * env.num_envs, num_collected_episodes, continue_training=True)
-
-
-class DQN(OffPolicyWorkerInferenceMixin, sb3.DQN):
-    """Stable-Baselines3's DQN with worker-side inference (same constructor as ``stable_baselines3.DQN``).
-
-    :param overlap_collection: collect the next ``train_freq`` segment while training
-
-    Workers act epsilon-greedily with the exploration rate of the segment's start (one random draw
-    per env and step); ``train_freq`` must count steps (episodes: ``NotImplementedError``).
-    ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`.
-    """
-
-    def _acting_policy(self) -> th.nn.Module:
-        return self.policy.q_net
-
-    def _segment_request(self) -> tuple[int, dict]:
-        steps = self._segment_steps()
-        if self.num_timesteps < self.learning_starts:
-            epsilon = 1.0  # SB3 samples uniformly before learning starts
-        else:
-            epsilon = float(self.exploration_schedule(self._current_progress_remaining))
-        return steps, {"epsilon": epsilon}
-
-
-def _noise_parameters(action_noise: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(mean, sigma)`` of SB3 action noise that the workers can draw themselves, of the action
-    space's ``shape``: Gaussian (``NormalActionNoise``, or SB3's ``VectorizedActionNoise`` of one,
-    which is per env anyway)."""
-    if action_noise is None:
-        return None
-    base = action_noise.base_noise if isinstance(action_noise, VectorizedActionNoise) else action_noise
-    if not isinstance(base, NormalActionNoise):
-        raise ValueError(
-            f"{type(base).__name__} cannot run on the workers (only NormalActionNoise, a draw per env and step, "
-            "which needs no state): use NormalActionNoise, or stable_baselines3's algorithm on the ClusterVecEnv"
-        )
-    return np.broadcast_to(base._mu, shape).astype(np.float64), np.broadcast_to(base._sigma, shape).astype(np.float64)
-
-
-class _ActorWorkerInferenceMixin(OffPolicyWorkerInferenceMixin):
-    """SAC and TD3 (whose constructors refuse action spaces other than Box): the actor acts on the
-    workers; warm-up and exploration noise travel as the context."""
-
-    def _acting_policy(self) -> th.nn.Module:
-        return self.policy.actor
-
-    def _segment_request(self) -> tuple[int, dict]:
-        steps = self._segment_steps()
-        noise = _noise_parameters(self.action_noise, self.action_space.shape)
-        # SB3 samples uniformly before learning starts (decided here per segment, as DQN's rate).
-        return steps, {"random": self.num_timesteps < self.learning_starts, "noise": noise}
-
-
-class SAC(_ActorWorkerInferenceMixin, sb3.SAC):
-    """Stable-Baselines3's SAC with its actor on the workers (same constructor as ``stable_baselines3.SAC``).
-
-    :param overlap_collection: collect the next ``train_freq`` segment while training
-
-    Only the actor travels (never the critics, the entropy coefficient or the replay buffer). The
-    workers sample the squashed Gaussian, and before ``learning_starts`` draw uniform actions from
-    the Box; ``action_noise`` may be SB3's ``NormalActionNoise`` (drawn per env on the workers).
-    Transitions fill SB3's replay buffer as its ``collect_rollouts`` would (terminal observations,
-    timeouts for ``handle_timeout_termination``); ``train_freq`` must count steps, and the warm-up
-    is decided per segment. AAPS compares the actors' Gaussians before the tanh (the KL of the
-    squashed ones is the same). ``env`` must be a bare :class:`~clusterenv_sb3.ClusterVecEnv`; gSDE
-    is not supported.
-    """
-
-
-class TD3(_ActorWorkerInferenceMixin, sb3.TD3):
-    """Stable-Baselines3's TD3 with its actor on the workers (same constructor as ``stable_baselines3.TD3``).
-
-    :param overlap_collection: collect the next ``train_freq`` segment while training
-
-    Only the actor travels (never the critics, the target networks or the replay buffer). The
-    workers add ``action_noise`` (SB3's ``NormalActionNoise``; other noise types need state the
-    workers do not have and are refused) per env and step, and clip to [-1, 1] as SB3 does. AAPS
-    treats the acting policy as the Gaussian N(mu(s), sigma^2) of that noise: the divergence of two
-    actors is ``||mu_d - mu_c||^2 / (2 sigma^2)`` (summed over action dimensions) averaged over probe
-    states, so AAPS needs the noise. Otherwise as :class:`SAC`.
-    """
-
-    def _make_deployable(self, acting: th.nn.Module) -> Any:
-        noise = _noise_parameters(self.action_noise, self.action_space.shape)
-        # AAPS compares the actor's flat outputs: sigma per output.
-        return TD3ActorDeployable(acting, None if noise is None else noise[1].reshape(-1))
+        self._last_episode_starts = rollout.dones[-1]

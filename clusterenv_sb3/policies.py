@@ -1,7 +1,8 @@
 """Deployable wrappers around Stable-Baselines3 policies, for worker-side inference.
 
-A wrapper is a ``torch.nn.Module`` with the methods :mod:`clusterenv_core.inference` asks for:
-``act(obs, **context)`` (run on the workers) and ``action_dist(obs)`` (for AAPS on the learner).
+A wrapper is a ``torch.nn.Module`` with the methods :class:`clusterenv_core.policy.DeployablePolicy`
+asks for: ``act(obs, **context)`` (run on the workers) and ``action_dist(obs)`` (for AAPS on the
+learner, one of :mod:`clusterenv_core.policy`'s distributions).
 The learner keeps a wrapper around its *live* policy (same parameters, updated in place by
 training); :meth:`deployable_copy` makes the copy that is shipped to the workers. Copies never
 carry the optimizer (nor the last distribution SB3 caches on the policy): only the networks.
@@ -44,6 +45,8 @@ from stable_baselines3.common.torch_layers import FlattenExtractor, MlpExtractor
 from stable_baselines3.dqn.policies import QNetwork
 from stable_baselines3.sac.policies import Actor as SACActor
 from stable_baselines3.td3.policies import Actor as TD3Actor
+
+from clusterenv_core.policy import ActionDistribution, Bernoulli, Categorical, Gaussian, Greedy, MultiCategorical
 
 
 def _to_device(obs: Any, device: th.device) -> Any:
@@ -139,19 +142,19 @@ class ActorCriticDeployable(_Deployable):
         return _NumpyMlpActor.of(self.policy, rng)
 
     @th.no_grad()
-    def action_dist(self, obs: Any) -> tuple:
-        """``("categorical", logits)``, ``("multicategorical", [logits, ...])``, ``("bernoulli", logits)``
-        or ``("gaussian", mean, log_std)`` of the policy at ``obs``."""
+    def action_dist(self, obs: Any) -> ActionDistribution:
+        """The policy's :class:`Categorical`, :class:`MultiCategorical`, :class:`Bernoulli` or
+        :class:`Gaussian` at ``obs``."""
         policy = self.policy
         dist = policy.get_distribution(_to_device(obs, policy.device))
         if isinstance(dist, CategoricalDistribution):
-            return ("categorical", dist.distribution.logits.cpu())
+            return Categorical(dist.distribution.logits.cpu())
         if isinstance(dist, MultiCategoricalDistribution):
-            return ("multicategorical", [part.logits.cpu() for part in dist.distribution])
+            return MultiCategorical([part.logits.cpu() for part in dist.distribution])
         if isinstance(dist, BernoulliDistribution):
-            return ("bernoulli", dist.distribution.logits.cpu())
+            return Bernoulli(dist.distribution.logits.cpu())
         mean = dist.distribution.mean
-        return ("gaussian", mean.cpu(), (th.ones_like(mean) * policy.log_std).cpu())
+        return Gaussian(mean.cpu(), (th.ones_like(mean) * policy.log_std).cpu())
 
 
 def _generic_forward(policy: ActorCriticPolicy) -> Callable[[ActorCriticPolicy, Any, bool], tuple]:
@@ -337,9 +340,9 @@ class QNetworkDeployable(_Deployable):
         return {"actions": actions}
 
     @th.no_grad()
-    def action_dist(self, obs: Any) -> tuple:
-        """``("greedy", q_values)``: AAPS measures the fraction of states whose greedy action changed."""
-        return ("greedy", self.q_net(_to_device(obs, self.q_net.device)).cpu())
+    def action_dist(self, obs: Any) -> Greedy:
+        """:class:`Greedy` over the Q-values: AAPS measures the fraction of states whose greedy action changed."""
+        return Greedy(self.q_net(_to_device(obs, self.q_net.device)).cpu())
 
 
 class _OffPolicyActorDeployable(_Deployable):
@@ -405,11 +408,11 @@ class SACActorDeployable(_OffPolicyActorDeployable):
         return self.actor(obs, deterministic=False)
 
     @th.no_grad()
-    def action_dist(self, obs: Any) -> tuple:
-        """``("gaussian", mean, log_std)`` before the tanh: the KL of the squashed Gaussians equals
-        theirs (tanh is a bijection)."""
+    def action_dist(self, obs: Any) -> Gaussian:
+        """The :class:`Gaussian` before the tanh: the KL of the squashed Gaussians equals theirs
+        (tanh is a bijection)."""
         mean, log_std, _ = self.actor.get_action_dist_params(_to_device(obs, self.actor.device))
-        return ("gaussian", mean.cpu(), log_std.cpu())
+        return Gaussian(mean.cpu(), log_std.cpu())
 
 
 class TD3ActorDeployable(_OffPolicyActorDeployable):
@@ -431,9 +434,9 @@ class TD3ActorDeployable(_OffPolicyActorDeployable):
         return self.actor(obs)
 
     @th.no_grad()
-    def action_dist(self, obs: Any) -> tuple:
-        """``("gaussian", mu, log sigma)``: the deterministic action with its exploration noise; the
-        KL of two of them is ``||mu_d - mu_c||^2 / (2 sigma^2)`` summed over action dimensions."""
+    def action_dist(self, obs: Any) -> Gaussian:
+        """``Gaussian(mu, log sigma)``: the deterministic action with its exploration noise; the KL
+        of two of them is ``||mu_d - mu_c||^2 / (2 sigma^2)`` summed over action dimensions."""
         if self.sigma is None:
             raise ValueError(
                 "AAPS compares TD3 actors through their Gaussian exploration noise: give the model "
@@ -441,7 +444,7 @@ class TD3ActorDeployable(_OffPolicyActorDeployable):
             )
         mu = self.actor(_to_device(obs, self.actor.device)).cpu()
         log_sigma = th.log(th.as_tensor(self.sigma)).expand_as(mu)
-        return ("gaussian", mu, log_sigma)
+        return Gaussian(mu, log_sigma)
 
 
 def make_deployable(policy: Any) -> _Deployable:

@@ -8,6 +8,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from clusterenv_core.policy import Bernoulli, Categorical
+
 D = torch.distributions
 
 
@@ -26,7 +28,7 @@ class LinearPolicy(torch.nn.Module):
         return {"actions": actions, "log_probs": dist.log_prob(actions), "values": logits.sum(-1)}
 
     def action_dist(self, obs):
-        return ("categorical", self.linear(obs))
+        return Categorical(self.linear(obs))
 
 
 class ConstantPolicy(LinearPolicy):
@@ -61,7 +63,7 @@ class BernoulliPolicy(torch.nn.Module):
         return {"actions": actions, "log_probs": dist.log_prob(actions).sum(-1)}
 
     def action_dist(self, obs):
-        return ("bernoulli", self.linear(obs))
+        return Bernoulli(self.linear(obs))
 
 
 class NumpyLinearPolicy(LinearPolicy):

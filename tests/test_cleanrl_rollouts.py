@@ -25,6 +25,7 @@ from clusterenv_cleanrl import (  # noqa: E402
 )
 from clusterenv_core import EnvPool  # noqa: E402
 from clusterenv_core.aaps import divergence  # noqa: E402
+from clusterenv_core.policy import Greedy, MultiCategorical
 from clusterenv_core.rollout import Rollout  # noqa: E402
 from tests.envs import lost_once  # noqa: E402
 
@@ -296,7 +297,7 @@ def test_q_network_acts_epsilon_greedy_with_context():
     greedy = q(obs).argmax(-1)
     assert torch.equal(q.act(obs)["actions"], greedy)
     assert (q.act(obs, epsilon=1.0)["actions"] != greedy).float().mean().item() == pytest.approx(0.5, abs=0.05)
-    assert q.action_dist(obs)[0] == "greedy"
+    assert type(q.action_dist(obs)) is Greedy
     with EnvPool([make_env] * 2, num_workers=1) as pool:
         rollouts = WorkerRollouts(pool, q, 50, sync="aaps", seed=0)
         greedy_rollout = rollouts.collect(context={"epsilon": 0.0})
@@ -366,7 +367,7 @@ def test_a_multidiscrete_agents_divergence_is_per_sub_action():
         heads = [torch.split(agent.actor(torch.as_tensor(probe)), [2, 3], dim=1) for agent in (deployed, current)]
         dists = [[torch.distributions.Categorical(logits=part) for part in parts] for parts in heads]
         expected = sum(torch.distributions.kl_divergence(p, q) for p, q in zip(*dists)).mean().item()
-    assert deployed.action_dist(torch.as_tensor(probe))[0] == "multicategorical"
+    assert type(deployed.action_dist(torch.as_tensor(probe))) is MultiCategorical
     assert divergence(deployed, current, probe) == pytest.approx(expected, rel=1e-5)
 
 

@@ -20,13 +20,21 @@ torch = pytest.importorskip("torch")
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerTimeoutError  # noqa: E402
 from clusterenv_core import channel as channel_module  # noqa: E402
-from clusterenv_core.aaps import PolicySync, divergence, per_state_divergence  # noqa: E402
+from clusterenv_core.aaps import PolicySync, divergence  # noqa: E402
 from clusterenv_core.inference import (  # noqa: E402
     LearnerGone,
     WeightsRegion,
     flatten_weights,
     load_weights,
     weights_fields,
+)
+from clusterenv_core.policy import (  # noqa: E402
+    Bernoulli,
+    Categorical,
+    DeployablePolicy,
+    Gaussian,
+    Greedy,
+    MultiCategorical,
 )
 from clusterenv_core.shutdown import CLOSE_TIMEOUT  # noqa: E402
 from tests.envs import ActionDtypeEnv, FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
@@ -129,24 +137,37 @@ def test_divergences_match_closed_forms():
     gen = torch.Generator().manual_seed(0)
     p, q = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
     expected = D.kl_divergence(D.Categorical(logits=p), D.Categorical(logits=q))
-    torch.testing.assert_close(per_state_divergence(("categorical", p), ("categorical", q)), expected)
+    torch.testing.assert_close(Categorical(p).divergence(Categorical(q)), expected)
 
     mp, mq, sp, sq = (torch.randn(5, 2, generator=gen) for _ in range(4))
     expected = D.kl_divergence(D.Normal(mp, sp.exp()), D.Normal(mq, sq.exp())).sum(-1)
-    torch.testing.assert_close(per_state_divergence(("gaussian", mp, sp), ("gaussian", mq, sq)), expected)
+    torch.testing.assert_close(Gaussian(mp, sp).divergence(Gaussian(mq, sq)), expected)
 
     parts_p, parts_q = [p, p[:, :2]], [q, q[:, :2]]
     expected = sum(D.kl_divergence(D.Categorical(logits=a), D.Categorical(logits=b)) for a, b in zip(parts_p, parts_q))
-    torch.testing.assert_close(per_state_divergence(("multicategorical", parts_p), ("multicategorical", parts_q)), expected)
+    torch.testing.assert_close(MultiCategorical(parts_p).divergence(MultiCategorical(parts_q)), expected)
 
     expected = D.kl_divergence(D.Bernoulli(logits=p), D.Bernoulli(logits=q)).sum(-1)
-    torch.testing.assert_close(per_state_divergence(("bernoulli", p), ("bernoulli", q)), expected)
+    torch.testing.assert_close(Bernoulli(p).divergence(Bernoulli(q)), expected)
 
     q_values = torch.tensor([[1.0, 2.0], [3.0, 0.0], [0.0, 1.0], [5.0, 4.0]])
     changed = torch.tensor([[2.0, 1.0], [3.0, 0.0], [0.0, 1.0], [4.0, 5.0]])
-    assert per_state_divergence(("greedy", q_values), ("greedy", changed)).mean().item() == 0.5
+    assert Greedy(q_values).divergence(Greedy(changed)).mean().item() == 0.5
 
-    assert per_state_divergence(("categorical", p), ("categorical", p)).abs().max().item() < 1e-6
+    assert Categorical(p).divergence(Categorical(p)).abs().max().item() < 1e-6
+
+
+def test_distributions_of_different_kinds_are_not_compared():
+    logits = torch.zeros(4, 2)
+    with pytest.raises(TypeError, match="cannot compare a Categorical policy with a Greedy policy"):
+        Categorical(logits).divergence(Greedy(logits))
+    with pytest.raises(TypeError, match="cannot compare a Categorical policy with a Bernoulli policy"):
+        divergence(LinearPolicy(), BernoulliPolicy(obs_size=4), np.zeros((4, 4), np.float32))
+
+
+def test_the_test_policies_fulfil_the_deployable_policy_protocol():
+    assert isinstance(LinearPolicy(), DeployablePolicy) and isinstance(BernoulliPolicy(), DeployablePolicy)
+    assert not isinstance(torch.nn.Linear(4, 2), DeployablePolicy)
 
 
 class FakeActors:

@@ -27,6 +27,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: 
 import clusterenv_sb3  # noqa: E402
 from clusterenv_core import ClusterEnvError  # noqa: E402
 from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E402
+from clusterenv_core.policy import Bernoulli, Categorical, Gaussian, Greedy, MultiCategorical
 from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
 from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _NumpyMlpActor, make_deployable  # noqa: E402
 from tests.compare import assert_same  # noqa: E402
@@ -223,10 +224,10 @@ def _ppo_policy(action_space: spaces.Space, **kwargs) -> ActorCriticPolicy:
 @pytest.mark.parametrize(
     "action_space, kind",
     [
-        (spaces.Discrete(3), "categorical"),
-        (spaces.Box(-0.5, 0.5, (2,), np.float32), "gaussian"),
-        (spaces.MultiDiscrete([2, 3]), "multicategorical"),
-        (spaces.MultiBinary(3), "bernoulli"),
+        (spaces.Discrete(3), Categorical),
+        (spaces.Box(-0.5, 0.5, (2,), np.float32), Gaussian),
+        (spaces.MultiDiscrete([2, 3]), MultiCategorical),
+        (spaces.MultiBinary(3), Bernoulli),
     ],
 )
 def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
@@ -247,16 +248,16 @@ def test_actor_critic_wrapper_is_sb3s_forward(action_space, kind):
     else:
         assert "env_actions" not in out
     dist = wrapper.action_dist(obs)
-    assert dist[0] == kind
+    assert type(dist) is kind
     with th.no_grad():
         sb3_dist = policy.get_distribution(obs)
-    if kind == "gaussian":
-        th.testing.assert_close(dist[1], sb3_dist.distribution.mean)
-        th.testing.assert_close(dist[2].exp(), sb3_dist.distribution.stddev)
-    elif kind == "multicategorical":
-        assert len(dist[1]) == 2 and dist[1][1].shape == (16, 3)
+    if kind is Gaussian:
+        th.testing.assert_close(dist.mean, sb3_dist.distribution.mean)
+        th.testing.assert_close(dist.log_std.exp(), sb3_dist.distribution.stddev)
+    elif kind is MultiCategorical:
+        assert len(dist.logits) == 2 and dist.logits[1].shape == (16, 3)
     else:
-        th.testing.assert_close(dist[1], sb3_dist.distribution.logits)
+        th.testing.assert_close(dist.logits, sb3_dist.distribution.logits)
 
 
 def _sb3_log_probs(policy: ActorCriticPolicy, obs: np.ndarray, actions: np.ndarray) -> np.ndarray:
@@ -433,9 +434,9 @@ def test_q_network_wrapper_is_epsilon_greedy_per_env():
     th.testing.assert_close(wrapper.act(obs, epsilon=0.5)["actions"], actions)  # torch's RNG
     uniform = wrapper.act(obs, epsilon=1.0)["actions"]
     assert 0.45 < uniform.float().mean().item() < 0.55
-    kind, q_values = wrapper.action_dist(obs)
-    assert kind == "greedy"
-    th.testing.assert_close(q_values, model.q_net(obs))
+    dist = wrapper.action_dist(obs)
+    assert type(dist) is Greedy
+    th.testing.assert_close(dist.q_values, model.q_net(obs))
 
 
 # -- same buffers as SB3 -----------------------------------------------------------------------------
