@@ -36,7 +36,7 @@ class WorkerActors:
     :meth:`EnvPool.deploy <clusterenv_core.pool.EnvPool.deploy>`.
 
     :param channel: the pool's messaging, whose workers get the policy
-    :param policy: a deployable module (``act`` and ``action_dist``, see :mod:`clusterenv_core.inference`)
+    :param policy: a deployable module (:class:`~clusterenv_core.policy.DeployablePolicy`: ``act`` and ``action_dist``)
     :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
     :param restarts: the pool's worker replacements (``restart_failed_workers``), if on
     :raises ValueError: the spaces have no buffers, or the action space is not one array, or the
