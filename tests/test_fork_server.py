@@ -19,7 +19,7 @@ from clusterenv_core import EnvPool, WorkerLostError
 from clusterenv_core.transports import fork_server
 from clusterenv_core.transports.fork_server import IDLE_SECONDS, ForkedWorker
 from clusterenv_core.transports.local import _ORPHAN_GRACE
-from tests.compare import assert_same
+from tests.helpers import assert_same
 
 pytestmark = pytest.mark.skipif(not fork_server.pidfd_supported(), reason="no pidfds on this system")
 

@@ -13,7 +13,6 @@ import time
 
 import gymnasium as gym
 import numpy as np
-import psutil
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -29,7 +28,7 @@ from clusterenv_core.inference import (  # noqa: E402
     weights_fields,
 )
 from tests.envs import ActionDtypeEnv, FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
-from tests.interrupts import interrupt_soon  # noqa: E402
+from tests.helpers import buffer_mappings, interrupt_soon, process_ended, wait_for_events, wait_until_ended  # noqa: E402
 from tests.policies import (  # noqa: E402
     BernoulliPolicy,
     ConstantPolicy,
@@ -261,16 +260,8 @@ def test_workers_exit_when_the_learner_dies_in_the_middle_of_a_weights_write(tmp
     learner.kill()
     learner.wait()
 
-    def running(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has exited
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + 10  # they check every quarter second; the rest is a loaded machine's slack
-    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = [pid for pid in pids if running(pid)]
+    wait_until_ended(pids, within=10)  # they check every quarter second; the rest is a loaded machine's slack
+    left = [pid for pid in pids if not process_ended(pid)]
     for pid in left:  # not to leave them spinning for ever
         os.kill(pid, signal.SIGKILL)
     assert left == [], "workers outlived their learner, waiting for its unfinished weights write"
@@ -295,8 +286,6 @@ def test_rollout_equals_sequential_reference():
 
 
 def test_close_unmaps_the_weights_and_segment_regions():
-    from tests.test_failures import buffer_mappings
-
     before = buffer_mappings()
     pool = EnvPool.make("CartPole-v1", 4, num_workers=2)
     pool.reset(seeds=[0, 1, 2, 3])
@@ -311,14 +300,15 @@ def test_close_unmaps_the_weights_and_segment_regions():
         actors.rollout(8)
 
 
-def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themselves():
+def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themselves(tmp_path):
     """A segment started and not waited for (overlapped collection at the end of training), far longer
     than close() waits for a busy worker: the workers end it at their next step, answer the close
     request and exit, none killed; the pool's timeout (60 s) plays no part."""
-    with EnvPool([functools.partial(SlowCartPole, 0.01)] * 2, num_workers=2) as pool:
+    stepping = str(tmp_path / "stepping")
+    with EnvPool([functools.partial(SlowCartPole, 0.01, stepping=stepping)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
         pool.deploy(LinearPolicy()).rollout_async(100_000)  # 1,000 s of stepping
-        time.sleep(0.2)  # the workers are collecting
+        wait_for_events(stepping, 4)  # the workers are collecting
         processes = list(pool._transport.processes)
         started = time.monotonic()
     assert time.monotonic() - started < pool_module._CLOSE_TIMEOUT
@@ -327,8 +317,6 @@ def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themsel
 
 def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     # Models keep their WorkerActors, and a caught deploy error its traceback: neither may keep memory.
-    from tests.test_failures import buffer_mappings
-
     before = buffer_mappings()
     pool = EnvPool.make("CartPole-v1", 3, num_workers=3)
     pool.reset(seeds=[0, 1, 2])
@@ -420,7 +408,7 @@ def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply(in
 def ctrl_c_in(transport, receive: str) -> None:
     """Ctrl-C (a real SIGINT) once, as the transport's next ``receive`` of the rows or arrays that
     follow a reply starts: the reply is read by then."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as tests.interrupts.interrupt_soon
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as tests.helpers.interrupt_soon
         signal.signal(signal.SIGINT, signal.default_int_handler)
     received = getattr(transport, receive)
 

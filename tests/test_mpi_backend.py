@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,46 +17,9 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py (pip install -e '.[mpi]')")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "tests", "mpi_scripts")
-_BESIDE = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-MPIEXEC = _BESIDE if os.access(_BESIDE, os.X_OK) else shutil.which("mpiexec")
+from tests.helpers import assert_exit_codes, launch, wait_until_ended  # noqa: E402
+
 MODES = ("spawn", "mpmd", "spmd")
-WORKERS = 2
-
-
-def launch(
-    mode: str, script: str, *args: str, timeout: float = 300.0, worker: list[str] | None = None
-) -> tuple[int, str, float]:
-    """Run ``script`` in launch ``mode`` with 2 worker ranks (``learners``: 2 ranks under mpiexec, for
-    scripts whose learners spawn their own); returns (exit code, output, seconds).
-
-    MPMD worker ranks run ``worker`` (default: the worker program without arguments, as users type it).
-    """
-    path = os.path.join(SCRIPTS, script)
-    python = sys.executable
-    if mode == "spawn":
-        command = [python, path, *args]
-    else:
-        assert MPIEXEC, "mpiexec not found next to the interpreter nor on PATH"
-        if mode == "learners":  # two ranks, each a learner (launch="spawn" under mpiexec)
-            command = [MPIEXEC, "-print-all-exitcodes", "-n", "2", python, path, *args]
-        elif mode == "mpmd":
-            worker = worker or [python, "-m", "clusterenv_core.worker"]
-            command = [MPIEXEC, "-print-all-exitcodes", "-n", "1", python, path, *args, ":", "-n", str(WORKERS), *worker]
-        else:
-            command = [MPIEXEC, "-print-all-exitcodes", "-n", str(WORKERS + 1), python, path, *args]
-    started = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(command)} did not finish within {timeout:g} s:\n{output}")
-    return process.returncode, output, time.monotonic() - started
 
 
 def worker_pids(output: str) -> list[int]:
@@ -66,24 +28,8 @@ def worker_pids(output: str) -> list[int]:
     return [int(pid) for pid in match.group(1).split()]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def assert_gone(pids: list[int], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in pids if alive(pid)], f"worker ranks still running: {pids}"
-
-
-def assert_exit_codes(output: str, codes: str) -> None:
-    """mpiexec -print-all-exitcodes: e.g. ``0,0,0`` (learner first)."""
-    assert re.search(rf"Exit codes: \[[^\]]+\] {re.escape(codes)}\s*$", output, re.MULTILINE), output
+    assert wait_until_ended(pids, within), f"worker ranks still running: {pids}"
 
 
 def shm_names() -> set[str]:

@@ -67,7 +67,7 @@ def test_ids_an_env_package_registers_on_import_build_without_warnings():
 def test_script_registrations_reach_mpi_ranks(mode, check):
     pytest.importorskip("mpi4py")
     pytest.importorskip("stable_baselines3")
-    from tests.test_mpi_backend import assert_exit_codes, launch
+    from tests.helpers import assert_exit_codes, launch
 
     code, output, _ = launch(mode, SCRIPT, "mpi", check)
     assert code == 0 and f"OK {check}" in output, output

@@ -14,11 +14,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers import process_ended, wait_until_ended
 
 try:
     import mpi4py  # noqa: F401
@@ -318,25 +318,6 @@ def _helper_script(root: Path) -> Path:
     )
 
 
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _wait_gone(pids: list[int], seconds: float) -> list[int]:
-    """Those of ``pids`` still alive after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _alive(pids)
-
-
 @pytest.mark.parametrize("learner_signal", [signal.SIGKILL, signal.SIGTERM])
 @pytest.mark.parametrize("backend", backend_params(WORKER_BACKENDS))
 def test_helper_processes_die_when_a_worker_and_then_the_learner_are_killed(tmp_path, backend, learner_signal):
@@ -354,12 +335,12 @@ def test_helper_processes_die_when_a_worker_and_then_the_learner_are_killed(tmp_
     try:
         started = json.loads(learner.stdout.readline())
         helpers = started["helpers"]
-        assert len(helpers) == 4 and _alive(helpers) == helpers
+        assert len(helpers) == 4 and not any(process_ended(pid) for pid in helpers)
         os.kill(started["workers"][0], signal.SIGKILL)
-        time.sleep(0.2)
+        assert wait_until_ended(started["workers"][:1])
         learner.send_signal(learner_signal)
         learner.wait(10)
-        assert _wait_gone(helpers, 15.0) == []
+        assert wait_until_ended(helpers, within=15.0), [pid for pid in helpers if not process_ended(pid)]
     finally:
         if learner.poll() is None:
             learner.kill()
