@@ -400,6 +400,7 @@ def test_processes_the_envs_started_and_left_running_end_with_their_worker(no_le
     assert wait_until_ended(helpers)
 
 
+@pytest.mark.slow
 def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks, tmp_path):
     hanging = str(tmp_path / "hanging")
     env_fns = [functools.partial(_wrapped, HangingEnv, hang_at=1, hanging=hanging)] * 4
@@ -412,6 +413,7 @@ def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks, tmp_path):
     assert time.monotonic() - started < 8  # 5 s for them all, then the kill (not 5 s a worker)
 
 
+@pytest.mark.slow
 def test_close_lets_envs_take_their_time_to_close(no_leaks, tmp_path):
     # As DummyVecEnv and SubprocVecEnv wait for it: killed at 5 s, a recorder would leave half a
     # file. The second worker's time counts from when it was asked, not from the first one's answer.
@@ -641,6 +643,7 @@ def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
     assert wait_until_ended([helper]), "a process an env started outlived the learner"
 
 
+@pytest.mark.slow
 def test_workers_of_a_killed_learner_end_even_with_a_hanging_env(no_leaks, tmp_path):
     hanging = str(tmp_path / "hanging")
     script = tmp_path / "learner.py"
@@ -738,6 +741,7 @@ def test_a_reply_read_before_ctrl_c_cut_step_wait_short_is_returned_when_it_resu
     pool.close()
 
 
+@pytest.mark.slow
 def test_an_env_error_read_before_ctrl_c_cut_step_wait_short_is_raised_when_it_resumes(no_leaks):
     env_fns = [functools.partial(SlowCartPole, seconds=1.5), functools.partial(_wrapped, FailingEnv, fail_at=1)]
     pool = EnvPool(env_fns, num_workers=2)
@@ -753,6 +757,7 @@ def test_an_env_error_read_before_ctrl_c_cut_step_wait_short_is_raised_when_it_r
     pool.close()
 
 
+@pytest.mark.slow
 def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(no_leaks, ctrl_c_after_send):
     # Ctrl-C once both workers have their step (in which env 0 raises): the next call reads the
     # replies and raises env 0's error, as step_wait would have, also when Ctrl-C cuts that read
@@ -867,6 +872,7 @@ def test_a_large_reply_that_came_in_time_is_read_however_late(no_leaks):
     pool.close()
 
 
+@pytest.mark.slow
 def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks, tmp_path):
     # Steps of 1.5 s, interrupted once both began: the interrupting thread has ample slack on a
     # loaded machine.

@@ -98,6 +98,7 @@ def test_a_killed_forked_worker_is_reported_with_its_signal():
             pool.step(np.zeros(2, np.int64))
 
 
+@pytest.mark.slow
 def test_the_server_ends_once_it_had_no_worker_for_a_while():
     with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:
         server = _server_of(pool)

@@ -235,6 +235,7 @@ def test_a_reader_waits_for_a_live_writer_and_gives_up_on_a_dead_one():
         reader.read_newer(1, out)
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_learner_dies_in_the_middle_of_a_weights_write(tmp_path):
     script = tmp_path / "learner.py"
     script.write_text(
@@ -300,6 +301,7 @@ def test_close_unmaps_the_weights_and_segment_regions():
         actors.rollout(8)
 
 
+@pytest.mark.slow
 def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themselves(tmp_path):
     """A segment started and not waited for (overlapped collection at the end of training), far longer
     than close() waits for a busy worker: the workers end it at their next step, answer the close
@@ -315,6 +317,7 @@ def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themsel
     assert [process.returncode for process in processes] == [0, 0]
 
 
+@pytest.mark.slow
 def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     # Models keep their WorkerActors, and a caught deploy error its traceback: neither may keep memory.
     before = buffer_mappings()
@@ -343,6 +346,7 @@ def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     assert caught.value.worker_index == 2
 
 
+@pytest.mark.slow
 def test_repeated_deploys_do_not_grow_the_shared_memory():
     # Each deploy of another policy replaces the last one's weights and segment regions: their pages
     # go back to the system, except those a kept Rollout still views, which stay readable.
@@ -364,6 +368,7 @@ def test_repeated_deploys_do_not_grow_the_shared_memory():
         assert np.array_equal(kept.obs, kept_obs)
 
 
+@pytest.mark.slow
 def test_an_env_error_read_before_ctrl_c_cut_rollout_wait_short_is_raised_when_it_resumes():
     # rollout_wait reads worker 0's failed segment, then waits for worker 1's slow one: Ctrl-C
     # there leaves worker 0's reply read, and the resumed rollout_wait raises its error.
@@ -382,6 +387,7 @@ def test_an_env_error_read_before_ctrl_c_cut_rollout_wait_short_is_raised_when_i
         pool.reset(seeds=[0, 1])
 
 
+@pytest.mark.slow
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
@@ -446,6 +452,7 @@ def run_ctrl_c_receiving_rows_and_arrays_checks(backend: str, interrupted: str) 
         assert_rollout_matches(actors.rollout(60), expected, last_obs)
 
 
+@pytest.mark.slow
 def test_published_weights_reach_workers_and_versions_are_recorded():
     policy = LinearPolicy(greedy=True)
     with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
@@ -491,6 +498,7 @@ def test_consecutive_segments_never_share_a_region():
             previous, kept = current, current.obs.copy()
 
 
+@pytest.mark.slow
 def test_sampling_rollouts_are_reproducible_with_a_seed():
     def collect():
         torch.manual_seed(3)
@@ -506,6 +514,7 @@ def test_sampling_rollouts_are_reproducible_with_a_seed():
     assert 0 < a1.mean() < 1
 
 
+@pytest.mark.slow
 def test_a_policys_numpy_actor_acts_on_the_workers_with_the_loaded_weights_and_a_seeded_generator():
     def collect(seed):
         with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
@@ -603,6 +612,7 @@ def test_rollout_errors_are_clear():
         actors.rollout_wait()
 
 
+@pytest.mark.slow
 def test_rollout_timeout_bounds_the_time_without_progress():
     run_rollout_timeout_checks("local")  # MPI: tests/test_mpi_backend.py, in a process of its own
 

@@ -58,6 +58,7 @@ def no_shm_left():
 CONTRACT_CHECKS = ("cartpole", "dict", "vector", "rollout")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 @pytest.mark.parametrize("check", CONTRACT_CHECKS)
 def test_matches_dummy_vec_env(mode, check):
@@ -68,6 +69,7 @@ def test_matches_dummy_vec_env(mode, check):
     assert_exit_codes(output, "0,0,0")
 
 
+@pytest.mark.slow
 def test_matches_dummy_vec_env_spawned():
     """The same checks from one plain python process, which spawns a pool for each in turn (a world
     launch serves one pool)."""
@@ -75,6 +77,7 @@ def test_matches_dummy_vec_env_spawned():
     assert code == 0 and all(f"OK {check}" in output for check in CONTRACT_CHECKS), output
 
 
+@pytest.mark.slow
 def test_reset_keywords_reach_the_envs_as_sent():
     """The learner's choice of reset keywords (SB3's: ``options`` only when set) travels to MPI
     workers unchanged: the envs get what DummyVecEnv passes them."""
@@ -82,6 +85,7 @@ def test_reset_keywords_reach_the_envs_as_sent():
     assert code == 0 and "OK reset_keywords" in output, output
 
 
+@pytest.mark.slow
 def test_spawn_under_mpiexec_gives_every_learner_its_own_workers():
     """launch="spawn" in a job of two ranks: two learners, each spawning two worker ranks of its own,
     both identical to DummyVecEnv."""
@@ -98,6 +102,7 @@ def test_ppo_parameters_identical_to_dummy_vec_env(mode):
     assert code == 0 and "OK ppo" in output, output
 
 
+@pytest.mark.slow
 def test_fuzzer_agrees_on_mpi():
     """The differential fuzzer's properties (tests/test_fuzz.py) with spawned MPI workers."""
     pytest.importorskip("hypothesis")
@@ -105,6 +110,7 @@ def test_fuzzer_agrees_on_mpi():
     assert code == 0 and "OK fuzz" in output, output
 
 
+@pytest.mark.slow
 def test_async_batches_on_mpi():
     """Asynchronous batches (tests/test_async_batches.py) with spawned MPI workers."""
     code, output, _ = launch("spawn", "async_batches.py")
@@ -158,6 +164,7 @@ def test_spawned_worker_death_blames_no_rank_that_did_not_die():
     assert_gone(worker_pids(output))
 
 
+@pytest.mark.slow
 def test_no_spawn_after_close_killed_a_stuck_rank():
     code, output, _ = launch("spawn", "faults.py", "spawn_after_a_killed_rank")
     assert code == 0, output
@@ -165,6 +172,7 @@ def test_no_spawn_after_close_killed_a_stuck_rank():
     assert match and float(match.group(1)) < 1.0, output
 
 
+@pytest.mark.slow
 def test_close_receives_the_segments_of_a_pending_rollout():
     """A rollout started and not waited for: close() receives its segments, so no message is left
     unmatched (UCX warned of each) and no worker is kept from its close request (a large segment
@@ -174,6 +182,7 @@ def test_close_receives_the_segments_of_a_pending_rollout():
     assert "unexpected tag-receive" not in output, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["closing envs", "disconnecting", "waiting for exits"])
 def test_ctrl_c_during_close_ends_the_ranks_and_releases_everything(where):
     """As with the local backend: KeyboardInterrupt at once, nothing left running or held. Ranks still
@@ -190,6 +199,7 @@ def test_ctrl_c_during_close_ends_the_ranks_and_releases_everything(where):
         assert "NEXT POOL spawned" in output, output
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_close_still_kills_the_ranks_that_did_not_exit():
     """Ctrl-C while close() waits for the ranks to exit, then again in the second it gives them
     before it kills them: they are killed all the same, and KeyboardInterrupt comes after that."""
@@ -208,6 +218,7 @@ def test_world_worker_death_ends_the_job(mode):
     assert code != 0 and seconds < 60.0, output
 
 
+@pytest.mark.slow
 def test_spawned_hang_is_timeout_and_close_kills_the_rank():
     code, output, _ = launch("spawn", "faults.py", "hang")
     assert code == 0, output
@@ -217,12 +228,14 @@ def test_spawned_hang_is_timeout_and_close_kills_the_rank():
     assert_gone(worker_pids(output))
 
 
+@pytest.mark.slow
 def test_rollout_timeout_bounds_the_time_without_progress():
     """tests/test_inference.py's checks over MPI: progress reports cross the MPI transport too."""
     code, output, _ = launch("spawn", "faults.py", "rollout_progress")
     assert code == 0 and "OK rollout_progress" in output, output
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply():
     """tests/test_inference.py's checks over MPI, where the rows and arrays are messages to wait for:
     Ctrl-C there no longer loses the reply (the next call then timed out waiting for it)."""
@@ -232,6 +245,7 @@ def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply():
     assert "OK ctrl_c_receiving_rows_and_arrays reset" in output, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_hang_is_timeout_then_abort_at_exit(mode):
     """A stuck world rank cannot be killed alone: WorkerTimeoutError, close() returns, and the learner
@@ -274,6 +288,7 @@ def test_wrong_num_workers_is_value_error_naming_the_right_one(mode):
     assert_exit_codes(output, "0,0,0")
 
 
+@pytest.mark.slow
 def test_worker_program_with_the_backend_argument_serves_too():
     code, output, _ = launch("mpmd", "contract.py", "cartpole", worker=[sys.executable, "-m", "clusterenv_core.worker", "mpi"])
     assert code == 0 and "OK cartpole" in output, output
@@ -308,6 +323,7 @@ def test_worker_program_that_cannot_serve_ends_the_job_within_seconds(worker, re
     assert seconds < 20, f"the job took {seconds:.1f} s to end"
 
 
+@pytest.mark.slow
 def test_learner_gives_up_on_a_rank_that_never_starts_mpi(monkeypatch):
     """A worker program that dies before any of ClusterEnv runs (here: at once) cannot abort the
     job; the learner's wait in MPI_Init is bounded by the connect timeout instead.
@@ -367,6 +383,7 @@ def test_only_mpich_segment_names_this_process_maps_are_removed():
                 os.unlink(path)
 
 
+@pytest.mark.slow
 def test_importing_clusterenv_does_not_import_mpi4py():
     code = "import sys, clusterenv_core, clusterenv_sb3; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

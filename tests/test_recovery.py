@@ -349,6 +349,7 @@ def test_a_replacement_workers_stderr_is_forwarded_however_often_it_was_replaced
     assert "line after restart 4" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_stuck_worker_is_replaced_next_step():
     env_fns = [CARTPOLE, functools.partial(_with, HangingEnv, hang_at=2)]
     with EnvPool(
@@ -365,6 +366,7 @@ def test_stuck_worker_is_replaced_next_step():
         assert result.rewards[1] == 0.0 and not result.truncated[1]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_lost_worker_is_replaced_then_resume(tmp_path):
     # The step times out after 1 s and the replacement builds its env for 2 s: Ctrl-C lands there.
     rebuilding = str(tmp_path / "rebuilding")
@@ -382,6 +384,7 @@ def test_ctrl_c_while_a_lost_worker_is_replaced_then_resume(tmp_path):
             assert not pool.step(_zeros(pool)).truncated.any()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_lost_worker_is_replaced_in_asynchronous_batches(tmp_path):
     rebuilding = str(tmp_path / "rebuilding")
     env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"), rebuilding)]
@@ -438,6 +441,7 @@ def test_a_replacement_that_cannot_build_its_envs_leaves_the_pool_failed(tmp_pat
         assert pool.restarts["workers"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "stuck"])
 def test_a_worker_lost_during_a_segment_is_replaced_and_its_part_collected_anew(tmp_path, how):
     torch = pytest.importorskip("torch")
@@ -478,6 +482,7 @@ def test_a_worker_lost_during_a_segment_is_replaced_and_its_part_collected_anew(
         pool.step(_zeros(pool))
 
 
+@pytest.mark.slow
 def test_a_worker_lost_again_during_a_segment_with_no_restarts_left_fails_the_pool():
     pytest.importorskip("torch")
     from tests.policies import LinearPolicy
@@ -499,6 +504,7 @@ def test_a_worker_lost_again_during_a_segment_with_no_restarts_left_fails_the_po
         assert pool.restarts == {"envs": 0, "workers": 0}
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_worker_lost_during_a_segment_is_replaced_then_resume(tmp_path):
     pytest.importorskip("torch")
     from tests.policies import LinearPolicy
@@ -519,6 +525,7 @@ def test_ctrl_c_while_a_worker_lost_during_a_segment_is_replaced_then_resume(tmp
         assert actors.rollout(4).restarted_envs == []
 
 
+@pytest.mark.slow
 def test_a_worker_replaced_in_a_step_takes_the_deployed_policy():
     torch = pytest.importorskip("torch")
     from tests.policies import LinearPolicy

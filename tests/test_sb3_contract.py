@@ -33,6 +33,7 @@ def test_cartpole_matches_dummy_vec_env():
     run_side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8)
 
 
+@pytest.mark.slow
 def test_dict_obs_continuous_truncation_matches_dummy_vec_env():
     # 5 envs on 2 workers: uneven blocks; the env truncates at 25 steps and terminates at random.
     run_side_by_side([make_dict_env] * 5)
@@ -114,6 +115,7 @@ def _assert_same_run(actual, expected, steps: int, num_envs: int) -> None:
         actual.close()
 
 
+@pytest.mark.slow
 def test_make_vec_env_matches():
     def build(vec_env_cls):
         return make_vec_env("CartPole-v1", n_envs=6, seed=5, vec_env_cls=vec_env_cls)
@@ -121,6 +123,7 @@ def test_make_vec_env_matches():
     _assert_same_run(build(ClusterVecEnv), build(DummyVecEnv), steps=300, num_envs=6)
 
 
+@pytest.mark.slow
 def test_vec_normalize_frame_stack_monitor_match():
     def build(vec_env_cls):
         venv = VecMonitor(vec_env_cls([functools.partial(gym.make, "CartPole-v1")] * 6))

@@ -73,6 +73,7 @@ def test_replay_buffer_is_what_sb3_stores_for_the_same_actions(name):
         env.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_seeded_run_without_overlap_is_reproducible_and_only_the_actor_travels(name):
     ours_class, _ = ALGORITHMS[name]

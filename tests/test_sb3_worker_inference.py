@@ -660,6 +660,7 @@ def test_stopping_or_failing_mid_learn_leaves_env_and_model_consistent():
         env.close()
 
 
+@pytest.mark.slow
 def test_a_worker_lost_mid_learn_is_replaced_and_its_envs_start_episodes(tmp_path):
     env_fns = [functools.partial(gym.make, "CartPole-v1")] * 3
     env_fns.append(functools.partial(lost_once, str(tmp_path / "built"), "killed", 12))  # in the second segment
@@ -715,6 +716,7 @@ def test_dqn_learns_cartpole_with_aaps():
         env.close()
 
 
+@pytest.mark.slow
 def test_workers_start_torch_when_the_algorithm_is_made():
     """Deployment imports torch on the workers: it starts when the algorithm is made (overlapping the
     learner building its policy), not inside the first learn()."""
