@@ -1,7 +1,8 @@
-"""What several test modules share: exact comparison of results, Ctrl-C on a timer or on an env's
-event, and what a closed pool must not leave behind. Imports neither SB3 nor torch (the gymnasium
+"""What several test modules share: exact comparison of results and the contract runs against
+DummyVecEnv and SyncVectorEnv, Ctrl-C on a timer or at an event an env writes, what a closed pool
+must not leave behind, and MPI launches. Imports neither SB3 nor torch at import (the gymnasium
 0.29 venv of ``.ci/gym029.sh`` has neither; tests/sb3_helpers.py holds what needs them); the envs
-workers run are in tests/envs.py."""
+workers run are in tests/envs.py, the shared fixtures in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import numpy as np
 import psutil
 import pytest
 
-from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from clusterenv_core.transports import fork_server
+
+GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
 # -- exact comparison ------------------------------------------------------------------------------
 
@@ -155,11 +157,15 @@ def run_side_by_side(env_fns, steps: int = 2000, seed: int = 3, on_start=None, *
 # -- Ctrl-C ----------------------------------------------------------------------------------------
 
 
-def _ctrl_c_main_thread() -> None:
+def _enable_ctrl_c() -> None:
+    """Called in the main thread, the only one that may set a handler."""
     # A run started in the background of a shell without job control inherits SIGINT ignored, and
     # Python then installs no handler for it: give Ctrl-C the meaning it has at a terminal.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _ctrl_c_main_thread() -> None:
     # To the main thread: a process-wide signal may land on another thread, and the main thread then
     # only notices it when its wait returns.
     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
@@ -167,6 +173,7 @@ def _ctrl_c_main_thread() -> None:
 
 def interrupt_soon(delay: float) -> None:
     """Ctrl-C in ``delay`` seconds, delivered to the main thread."""
+    _enable_ctrl_c()
     threading.Timer(delay, _ctrl_c_main_thread).start()
 
 
@@ -200,6 +207,7 @@ def interrupt_at_events(path: str, count: int, within: float = 30.0) -> None:
             time.sleep(0.01)
         _ctrl_c_main_thread()
 
+    _enable_ctrl_c()
     threading.Thread(target=interrupt, daemon=True).start()
 
 
