@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py (pip install -e '.[mpi]')")
 
-from tests.helpers import assert_exit_codes, launch, wait_until_ended  # noqa: E402
+from tests.helpers import assert_exit_codes, launch, wait_until_ended
 
 MODES = ("spawn", "mpmd", "spmd")
 
