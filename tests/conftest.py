@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 
 import pytest
 
@@ -53,3 +54,28 @@ def ctrl_c_at_call(monkeypatch):
         monkeypatch.setattr(owner, name, interrupted_at_start)
 
     return arm
+
+
+@pytest.fixture
+def no_leaks():
+    """The test leaves no child process and no /dev/shm entry behind."""
+    from tests.helpers import descendants, shm_entries
+
+    children, shm = descendants(), shm_entries()
+    yield
+    deadline = time.monotonic() + 5
+    while descendants() - children and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert descendants() - children == set(), "worker processes left behind"
+    assert shm_entries() - shm == set(), "shared-memory segments left behind"
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One learner thread: reproducible floats, and no thread oversubscription on a shared machine
+    (the workers take the other cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

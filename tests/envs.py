@@ -68,6 +68,15 @@ class DictObsEnv(gym.Env):
         return np.full((8, 8, 3), self.steps % 255, np.uint8)
 
 
+def make_cartpole() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def cartpole_with_statistics(max_episode_steps: int | None = None) -> gym.Env:
+    """CartPole recording episode statistics; episodes of at most ``max_episode_steps`` (default 500)."""
+    return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1", max_episode_steps=max_episode_steps))
+
+
 def make_dict_env(max_episode_steps: int = 25):
     return gym.wrappers.TimeLimit(DictObsEnv(render_mode="rgb_array"), max_episode_steps=max_episode_steps)
 
@@ -116,6 +125,15 @@ class ResetFailingEnv(gym.Env):
         return np.array([self.resets, self.steps], np.float32), 1.0, self.steps == 3, False, {}
 
 
+def write_event(path: str | None) -> None:
+    """One line more in ``path`` (nothing if None), for a test to wait on (tests/helpers.py's
+    ``wait_for_events``) where it would otherwise sleep until the env is there. One short write in
+    append mode: envs in several processes can share the file."""
+    if path is not None:
+        with open(path, "a") as file:
+            file.write(f"{os.getpid()}\n")
+
+
 class CallCounter(gym.Wrapper):
     """CartPole with a method that counts its calls: ``bump(k)`` adds ``k``, returns the count."""
 
@@ -127,7 +145,9 @@ class CallCounter(gym.Wrapper):
         self.calls += k
         return self.calls
 
-    def sleep_then_bump(self, seconds: float) -> int:
+    def sleep_then_bump(self, seconds: float, sleeping: str | None = None) -> int:
+        """``bump()`` after ``seconds``, from an event written to ``sleeping``."""
+        write_event(sleeping)
         time.sleep(seconds)
         return self.bump()
 
@@ -148,16 +168,18 @@ class SuicidalEnv(gym.Wrapper):
 
 
 class HangingEnv(gym.Wrapper):
-    """Sleeps for an hour at step ``hang_at``."""
+    """Sleeps for an hour at step ``hang_at``, writing an event to ``hanging`` as it starts to."""
 
-    def __init__(self, env: gym.Env, hang_at: int) -> None:
+    def __init__(self, env: gym.Env, hang_at: int, hanging: str | None = None) -> None:
         super().__init__(env)
         self.hang_at = hang_at
+        self.hanging = hanging
         self.total_steps = 0
 
     def step(self, action):
         self.total_steps += 1
         if self.total_steps == self.hang_at:
+            write_event(self.hanging)
             time.sleep(3600)
         return self.env.step(action)
 
@@ -173,13 +195,16 @@ def lost_once(flag: str, how: str, at: int) -> gym.Env:
 
 
 class SlowCartPole(gym.Wrapper):
-    """CartPole whose step sleeps ``seconds`` first (a slow simulator that leaves the CPU idle)."""
+    """CartPole whose step sleeps ``seconds`` first (a slow simulator that leaves the CPU idle),
+    writing an event to ``stepping`` as each step begins."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, stepping: str | None = None) -> None:
         super().__init__(gym.make("CartPole-v1"))
         self.seconds = seconds
+        self.stepping = stepping
 
     def step(self, action):
+        write_event(self.stepping)
         time.sleep(self.seconds)
         return self.env.step(action)
 
@@ -239,14 +264,17 @@ class OrderedInfoEnv(gym.Wrapper):
 
 
 class SlowCloseEnv(gym.Wrapper):
-    """CartPole whose ``close()`` takes ``seconds`` and then writes ``path`` (a recorder finishing its file)."""
+    """CartPole whose ``close()`` takes ``seconds`` and then writes ``path`` (a recorder finishing its
+    file); it writes an event to ``closing`` as ``close()`` begins."""
 
-    def __init__(self, env: gym.Env, seconds: float, path: str) -> None:
+    def __init__(self, env: gym.Env, seconds: float, path: str, closing: str | None = None) -> None:
         super().__init__(env)
         self.seconds = seconds
         self.path = path
+        self.closing = closing
 
     def close(self):
+        write_event(self.closing)
         time.sleep(self.seconds)
         with open(self.path, "w") as file:
             file.write("done")

@@ -16,8 +16,8 @@ import pytest
 from gymnasium import spaces
 
 from clusterenv_cleanrl import ClusterVectorEnv
-from tests.compare import assert_same
 from tests.envs import ActionDtypeEnv, Coin, EchoActionEnv
+from tests.helpers import assert_same
 
 NUM_ENVS = 3
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1

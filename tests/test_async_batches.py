@@ -18,7 +18,6 @@ import pytest
 
 from clusterenv_cleanrl import ClusterEnvPool
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError, WorkerTimeoutError
-from tests.compare import assert_same
 from tests.envs import (
     CallCounter,
     FailingEnv,
@@ -31,7 +30,7 @@ from tests.envs import (
     SuicidalEnv,
     make_dict_env,
 )
-from tests.interrupts import interrupt_soon
+from tests.helpers import assert_same, interrupt_at_events
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
@@ -104,6 +103,10 @@ make_dict_env_7 = functools.partial(make_dict_env, max_episode_steps=7)
 @pytest.mark.parametrize("batch_size", [4, 2, 8])
 def test_each_envs_trajectory_is_the_env_alone(batch_size):
     check_trajectories_match_envs_alone(batch_size)
+
+
+def test_each_envs_trajectory_is_the_env_alone_with_an_inline_worker():
+    check_trajectories_match_envs_alone(4, recvs=150, backend_options={"inline_worker": True})
 
 
 def check_full_batch_is_sync_vector_env(steps: int = 300, **options) -> None:
@@ -425,15 +428,16 @@ def test_a_worker_lost_in_a_reset_step_resets_its_ended_envs():
         np.testing.assert_array_equal(result.obs, [[1.0, 0.0], [1.0, 0.0]])
 
 
-def test_a_call_interrupted_between_batches_is_answered_before_the_next_step():
+def test_a_call_interrupted_between_batches_is_answered_before_the_next_step(tmp_path):
     # Its reply comes first on the worker's connection: read as the step's, every later reply was one behind.
+    sleeping = str(tmp_path / "sleeping")
     with EnvPool([lambda: CallCounter(gym.make("CartPole-v1"))] * 2, num_workers=1, autoreset_mode="next_step") as pool:
         batches = pool.async_batches(2)
         batches.reset(seeds=[0, 1])
         result = batches.recv()
-        interrupt_soon(0.3)
+        interrupt_at_events(sleeping, 1)  # Ctrl-C while the env is inside the call
         with pytest.raises(KeyboardInterrupt):
-            pool.call("sleep_then_bump", (1.0,), indices=[0])
+            pool.call("sleep_then_bump", (1.0, sleeping), indices=[0])
         batches.send(np.zeros(2, np.int64), result.env_ids)
         assert batches.recv().rewards.tolist() == [1.0, 1.0]
         assert pool.get_attr("calls") == [1, 0]

@@ -16,17 +16,13 @@ import pytest
 
 from clusterenv_cleanrl import ClusterEnvError, ClusterVectorEnv, EnvError, WorkerLostError
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
-from tests.compare import assert_same
-from tests.envs import FailingEnv, SuicidalEnv
+from tests.envs import FailingEnv, SuicidalEnv, make_cartpole
+from tests.helpers import assert_same
 
 pytestmark = pytest.mark.timeout(60)
 
 NUM_ENVS = 4
 NUM_WORKERS = 2  # env 3 is on worker 1
-
-
-def make_cartpole() -> gym.Env:
-    return gym.make("CartPole-v1")
 
 
 def failing_cartpole(fail_at: int) -> gym.Env:

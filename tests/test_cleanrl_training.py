@@ -10,21 +10,18 @@ import numpy as np
 import pytest
 
 from clusterenv_cleanrl import ClusterVectorEnv
+from tests.envs import cartpole_with_statistics
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 NUM_ENVS = 4
 NUM_STEPS = 64
 ITERATIONS = 4
 EPOCHS = 2
 MINIBATCHES = 4
-
-
-def make_env() -> gym.Env:
-    return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))
 
 
 class Agent(nn.Module):
@@ -113,7 +110,7 @@ def train_ppo(envs: gym.vector.VectorEnv, seed: int = 1) -> tuple[dict, list[flo
 
 
 def test_ppo_learns_bit_identical_parameters():
-    env_fns = [make_env] * NUM_ENVS
+    env_fns = [cartpole_with_statistics] * NUM_ENVS
     sync = gym.vector.SyncVectorEnv(env_fns)
     expected_params, expected_returns = train_ppo(sync)
     sync.close()

@@ -19,7 +19,6 @@ from clusterenv_cleanrl import ClusterVectorEnv
 from clusterenv_cleanrl.batched_infos import numeric_infos
 from clusterenv_cleanrl.vector_env import GYMNASIUM_1
 from clusterenv_core import EnvError
-from tests.compare import assert_same
 from tests.envs import (
     InPlaceStateEnv,
     IntFlagsEnv,
@@ -28,8 +27,10 @@ from tests.envs import (
     SameReprKey,
     SeedOnlyResetEnv,
     SpacesEnv,
+    cartpole_with_statistics,
     make_dict_env,
 )
+from tests.helpers import assert_same, assert_same_results, random_actions, run_and_compare
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,8 +42,8 @@ STEPS = 2000
 MODES = ["NextStep", "SameStep", "Disabled"] if GYMNASIUM_1 else [None]
 
 
-def make_cartpole(max_episode_steps: int = 40) -> gym.Env:
-    return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1", max_episode_steps=max_episode_steps))
+# Episodes of 40 steps: many truncations in a short run.
+short_cartpole = functools.partial(cartpole_with_statistics, max_episode_steps=40)
 
 
 def make_int_flags_cartpole() -> gym.Env:
@@ -93,54 +94,9 @@ def make_pair(env_fns: list, mode: str | None = None, **kwargs) -> tuple[Cluster
     return cluster, sync
 
 
-def key_order(value):
-    """The keys of every dict in ``value``, in order (``assert_same`` accepts any order)."""
-    if isinstance(value, dict):
-        return [(key, key_order(item)) for key, item in value.items()]
-    if isinstance(value, tuple) or (isinstance(value, np.ndarray) and value.dtype == object):
-        return [key_order(item) for item in value]
-    return None
-
-
-def assert_same_results(actual, expected, what: str) -> None:
-    assert_same(actual, expected, what)
-    assert key_order(actual) == key_order(expected), f"{what}: keys in another order"
-
-
-def random_actions(space: gym.Space, rng: np.random.Generator):
-    if isinstance(space, spaces.MultiDiscrete):
-        return rng.integers(0, space.nvec)
-    return rng.uniform(space.low, space.high).astype(space.dtype)
-
-
-def run_and_compare(cluster, sync, steps: int, seed: int = 0) -> dict[str, int]:
-    """Step both envs with the same random actions, resetting ended episodes in DISABLED mode, and
-    compare every result; returns how many episodes terminated and were truncated."""
-    rng = np.random.default_rng(seed)
-    assert_same_results(cluster.reset(seed=seed), sync.reset(seed=seed), "reset")
-    disabled = GYMNASIUM_1 and cluster.autoreset_mode == gym.vector.AutoresetMode.DISABLED
-    counts = {"terminated": 0, "truncated": 0}
-    for step in range(steps):
-        actions = random_actions(sync.action_space, rng)
-        result = cluster.step(actions)
-        expected = sync.step(actions)
-        assert_same_results(result, expected, f"step {step}")
-        _, _, terminated, truncated, _ = expected
-        counts["terminated"] += int(terminated.sum())
-        counts["truncated"] += int(truncated.sum())
-        if disabled and (terminated | truncated).any():
-            mask = terminated | truncated
-            assert_same_results(
-                cluster.reset(options={"reset_mask": mask.copy()}),
-                sync.reset(options={"reset_mask": mask.copy()}),
-                f"partial reset after step {step}",
-            )
-    return counts
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_cartpole_with_episode_statistics(mode):
-    env_fns = [make_cartpole] * NUM_ENVS
+    env_fns = [short_cartpole] * NUM_ENVS
     cluster, sync = make_pair(env_fns, mode)
     with cluster:
         counts = run_and_compare(cluster, sync, STEPS, seed=1)
@@ -280,7 +236,7 @@ def _add_info_loop(reference: gym.vector.VectorEnv, infos_by_index: dict[int, di
 def test_numeric_infos_are_batched_as_gymnasiums_add_info_batches_them():
     """The batched path for infos of numeric scalars gives what gymnasium's per-env loop gives (key
     order, dtypes, values, masks), and leaves every other kind of info to that loop."""
-    reference = gym.vector.SyncVectorEnv([make_cartpole] * 5)
+    reference = gym.vector.SyncVectorEnv([short_cartpole] * 5)
 
     def info(t: int) -> dict:
         return {
@@ -319,7 +275,7 @@ def test_numeric_infos_are_batched_as_gymnasiums_add_info_batches_them():
 @pytest.mark.parametrize("copy", [True, False])
 def test_copy_semantics(copy):
     """With copy=False both return observations the next step overwrites; with copy=True, neither does."""
-    for env_fn in (make_cartpole, make_dict_env):
+    for env_fn in (short_cartpole, make_dict_env):
         cluster, sync = make_pair([env_fn] * 3, copy=copy)
         rng = np.random.default_rng(4)
         with cluster:
@@ -330,6 +286,19 @@ def test_copy_semantics(copy):
             for actual, expected in kept:
                 assert_same(actual, expected)
         sync.close()
+
+
+def test_spaces_without_buffers_and_copy_semantics_with_an_inline_worker(monkeypatch):
+    # The inline block's observations and infos are the envs' own objects, not unpickled copies:
+    # what reaches the caller must still be what SyncVectorEnv gives, copies where it copies.
+    monkeypatch.setitem(globals(), "ClusterVectorEnv", functools.partial(ClusterVectorEnv, inline_worker=True))
+    mode = MODES[0]
+    test_spaces_without_buffers(TextObsEnv, mode)
+    for pair in ("graph obs", "text actions", "nested obs, dict actions"):
+        test_more_spaces(pair, mode)
+    test_final_observation_is_the_envs_own_dict()
+    for copy in (True, False):
+        test_copy_semantics(copy)
 
 
 def test_spaces_metadata_and_attributes():
@@ -371,7 +340,7 @@ def test_seeding_and_options():
 def test_seeds_reach_the_envs_as_given():
     """A seed is the env's to judge, as under SyncVectorEnv: gymnasium's envs take ``True`` (an int)
     and refuse a numpy integer, and the pool stays usable after the refusal."""
-    cluster, sync = make_pair([make_cartpole] * NUM_ENVS)
+    cluster, sync = make_pair([short_cartpole] * NUM_ENVS)
     with cluster:
         seeds = [True, 2, None, 0]
         cluster_obs, _ = cluster.reset(seed=seeds)
@@ -477,7 +446,7 @@ def test_call_get_attr_set_attr_render():
 
 def test_private_attributes_are_looked_up_as_sync_vector_env_looks_them_up():
     # gymnasium 1.x finds a wrapper's private attribute through the stack; 0.29's wrappers refuse it.
-    cluster, sync = make_pair([make_cartpole] * 2)
+    cluster, sync = make_pair([short_cartpole] * 2)
     with cluster:
         cluster.reset(seed=0)
         sync.reset(seed=0)

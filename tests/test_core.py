@@ -15,8 +15,8 @@ from gymnasium import spaces
 
 from clusterenv_core import EnvPool
 from clusterenv_core.spaces import SpaceLayout
-from tests.compare import assert_same
 from tests.envs import ResetKeywordsEnv, SpacesEnv
+from tests.helpers import assert_same
 
 BUFFERED = {
     "box": spaces.Box(-1, 1, (2, 3), np.float32),

@@ -15,6 +15,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("tyro")
 
+pytestmark = pytest.mark.slow  # each runs an example's training
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 QUICK_RUNS = {

@@ -35,33 +35,22 @@ from tests.envs import (
     ThreadLeavingEnv,
     UnprintableFailureEnv,
 )
-from tests.interrupts import interrupt_soon
-from tests.leaks import clusterenv_threads, descendants
+from tests.helpers import (
+    buffer_mappings,
+    clusterenv_threads,
+    events,
+    interrupt_at_events,
+    interrupt_soon,
+    process_ended,
+    wait_for_events,
+    wait_until_ended,
+)
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
 
 def _wrapped(wrapper, **kwargs):
     return wrapper(gym.make("CartPole-v1"), **kwargs)
-
-
-def _shm_entries() -> set[str]:
-    # MPICH's segments belong to MPI jobs that may run beside these local-backend tests; the MPI
-    # tests check those.
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {name for name in names if not name.startswith("mpich_")}
-
-
-@pytest.fixture
-def no_leaks():
-    """Every test leaves no child process and no /dev/shm entry behind."""
-    children, shm = descendants(), _shm_entries()
-    yield
-    deadline = time.monotonic() + 5
-    while descendants() - children and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert descendants() - children == set(), "worker processes left behind"
-    assert _shm_entries() - shm == set(), "shared-memory segments left behind"
 
 
 def _step_zeros(pool: EnvPool):
@@ -145,11 +134,11 @@ def test_a_module_that_builds_a_pool_when_a_worker_imports_it_fails_the_pool(no_
     env factory: each worker unpickling the factory imports it and would start workers of its own,
     which import it again (a fork bomb). The worker's pool is refused before anything starts, and
     the pool being built fails, saying why."""
-    from tests.pool_at_import import make_cartpole, worker_options
+    from tests.pool_at_import import cartpole_from_this_module, worker_options
 
     started = time.monotonic()
     with pytest.raises(EnvError) as caught:
-        EnvPool([make_cartpole] * 2, num_workers=2, backend_options=worker_options(1))
+        EnvPool([cartpole_from_this_module] * 2, num_workers=2, backend_options=worker_options(1))
     assert time.monotonic() - started < 30  # an error, not a timeout
     error = caught.value
     assert (error.env_index, error.worker_index) == (0, 0)
@@ -163,7 +152,7 @@ def test_a_module_that_builds_a_pool_when_an_entry_point_imports_it_fails_the_po
     """The same module reached by an env id's entry point, imported as the worker creates the env."""
     from tests.pool_at_import import worker_options
 
-    gym.register("PoolAtImport-v0", entry_point="tests.pool_at_import:make_cartpole")
+    gym.register("PoolAtImport-v0", entry_point="tests.pool_at_import:cartpole_from_this_module")
     try:
         with pytest.raises(EnvError, match="creating the env failed in env 0 on worker 0") as caught:
             EnvPool.make("PoolAtImport-v0", 1, backend_options=worker_options(1))
@@ -225,12 +214,6 @@ def test_refused_constructions_keep_no_file_descriptor(no_leaks):
         with pytest.raises(ValueError, match="cannot be pickled"):
             EnvPool([CARTPOLE, lambda: (lock, gym.make("CartPole-v1"))[1]])
     assert len(os.listdir("/proc/self/fd")) == open_before
-
-
-def buffer_mappings() -> int:
-    """The learner's mappings of pools' shared memory (memory files named clusterenv-buffers)."""
-    with open("/proc/self/maps") as maps:
-        return sum("clusterenv-buffers" in line for line in maps)
 
 
 @pytest.mark.parametrize("adapter", ["ClusterVecEnv", "ClusterVectorEnv"])
@@ -397,22 +380,8 @@ def test_a_step_waits_one_timeout_for_all_workers(no_leaks):
     pool.close()
 
 
-def _ended(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by init
-    except psutil.NoSuchProcess:
-        return True
-
-
 def _child_starting_then_dying(die_at: int) -> gym.Env:
     return SuicidalEnv(ChildStartingEnv(gym.make("CartPole-v1")), die_at=die_at)
-
-
-def _wait_until_ended(pids: list[int]) -> bool:
-    deadline = time.monotonic() + 5
-    while not all(_ended(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return all(_ended(pid) for pid in pids)
 
 
 def test_processes_the_envs_started_and_left_running_end_with_their_worker(no_leaks):
@@ -420,28 +389,31 @@ def test_processes_the_envs_started_and_left_running_end_with_their_worker(no_le
     pool = EnvPool(env_fns, num_workers=2, restart_failed_workers=True)
     pool.reset()
     first = pool.get_attr("helper_pid")
-    assert not any(_ended(pid) for pid in first)
+    assert not any(process_ended(pid) for pid in first)
     _step_zeros(pool)
     _step_zeros(pool)  # env 1 kills its worker: the replacement builds it anew, with a new helper
     assert pool.restarts["workers"] == 1
-    assert _wait_until_ended(first[1:]) and not _ended(first[0])
+    assert wait_until_ended(first[1:]) and not process_ended(first[0])
     helpers = pool.get_attr("helper_pid")
-    assert helpers[0] == first[0] and not _ended(helpers[1])
+    assert helpers[0] == first[0] and not process_ended(helpers[1])
     pool.close()
-    assert _wait_until_ended(helpers)
+    assert wait_until_ended(helpers)
 
 
-def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks):
-    env_fns = [functools.partial(_wrapped, HangingEnv, hang_at=1)] * 4
+@pytest.mark.slow
+def test_close_waits_one_timeout_for_all_stuck_workers(no_leaks, tmp_path):
+    hanging = str(tmp_path / "hanging")
+    env_fns = [functools.partial(_wrapped, HangingEnv, hang_at=1, hanging=hanging)] * 4
     pool = EnvPool(env_fns, num_workers=4)
     pool.reset()
     pool.step_async(np.zeros(4, np.int64))
-    time.sleep(0.5)  # every worker is inside its env's step
+    wait_for_events(hanging, 4)  # every worker is inside its env's step
     started = time.monotonic()
     pool.close()
     assert time.monotonic() - started < 8  # 5 s for them all, then the kill (not 5 s a worker)
 
 
+@pytest.mark.slow
 def test_close_lets_envs_take_their_time_to_close(no_leaks, tmp_path):
     # As DummyVecEnv and SubprocVecEnv wait for it: killed at 5 s, a recorder would leave half a
     # file. The second worker's time counts from when it was asked, not from the first one's answer.
@@ -476,7 +448,8 @@ def test_ctrl_c_during_close_kills_the_workers_and_releases_everything(no_leaks,
 def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_path, monkeypatch):
     # The first Ctrl-C cuts short the wait for the envs to close (60 s); the second lands while
     # close() waits for the first worker it killed, which would leave the other one running.
-    env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=60.0, path=str(tmp_path / "never"))] * 2
+    closing = str(tmp_path / "closing")
+    env_fns = [functools.partial(_wrapped, SlowCloseEnv, seconds=60.0, path=str(tmp_path / "never"), closing=closing)] * 2
     threads = clusterenv_threads()
     pool = EnvPool(env_fns, num_workers=2, timeout=30.0)
     pool.reset()
@@ -492,7 +465,7 @@ def test_a_second_ctrl_c_during_close_still_kills_every_worker(no_leaks, tmp_pat
         return wait(process, timeout)
 
     monkeypatch.setattr(worker_class, "wait", wait_for_a_killed_worker)
-    interrupt_soon(1.0)
+    interrupt_at_events(closing, 2)  # both envs are closing
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         pool.close()
@@ -667,10 +640,12 @@ def test_killed_learner_leaves_no_worker(no_leaks, tmp_path):
     while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(psutil.pid_exists(pid) for pid in pids), "workers outlived their learner"
-    assert _wait_until_ended([helper]), "a process an env started outlived the learner"
+    assert wait_until_ended([helper]), "a process an env started outlived the learner"
 
 
+@pytest.mark.slow
 def test_workers_of_a_killed_learner_end_even_with_a_hanging_env(no_leaks, tmp_path):
+    hanging = str(tmp_path / "hanging")
     script = tmp_path / "learner.py"
     script.write_text(
         textwrap.dedent(
@@ -680,22 +655,22 @@ def test_workers_of_a_killed_learner_end_even_with_a_hanging_env(no_leaks, tmp_p
             sys.path.insert(0, ROOT)
             from clusterenv_core import EnvPool
             from tests.envs import HangingEnv
-            pool = EnvPool([lambda: HangingEnv(gym.make("CartPole-v1"), hang_at=1)] * 2, num_workers=2)
+            pool = EnvPool([lambda: HangingEnv(gym.make("CartPole-v1"), hang_at=1, hanging=HANGING)] * 2, num_workers=2)
             pool.reset()
             print(*pool.worker_pids, flush=True)
             pool.step(np.zeros(2, np.int64))  # hangs
             """
-        ).replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        )
+        .replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        .replace("HANGING", repr(hanging))
     )
     learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     pids = [int(pid) for pid in learner.stdout.readline().split()]
-    time.sleep(0.5)  # the workers are inside the hanging step
+    wait_for_events(hanging, 2)  # the workers are inside the hanging step
     learner.kill()
     learner.wait()
-    deadline = time.monotonic() + 20  # the workers' 10 s of grace, and a margin for a loaded machine
-    while any(not _ended(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_ended(pid) for pid in pids), "workers outlived their learner"
+    # The workers' 10 s of grace, and a margin for a loaded machine.
+    assert wait_until_ended(pids, within=20), "workers outlived their learner"
 
 
 def test_differing_spaces_are_rejected(no_leaks):
@@ -766,6 +741,7 @@ def test_a_reply_read_before_ctrl_c_cut_step_wait_short_is_returned_when_it_resu
     pool.close()
 
 
+@pytest.mark.slow
 def test_an_env_error_read_before_ctrl_c_cut_step_wait_short_is_raised_when_it_resumes(no_leaks):
     env_fns = [functools.partial(SlowCartPole, seconds=1.5), functools.partial(_wrapped, FailingEnv, fail_at=1)]
     pool = EnvPool(env_fns, num_workers=2)
@@ -781,6 +757,7 @@ def test_an_env_error_read_before_ctrl_c_cut_step_wait_short_is_raised_when_it_r
     pool.close()
 
 
+@pytest.mark.slow
 def test_an_env_error_in_a_step_cut_short_by_ctrl_c_is_raised_by_the_next_call(no_leaks, ctrl_c_after_send):
     # Ctrl-C once both workers have their step (in which env 0 raises): the next call reads the
     # replies and raises env 0's error, as step_wait would have, also when Ctrl-C cuts that read
@@ -895,32 +872,36 @@ def test_a_large_reply_that_came_in_time_is_read_however_late(no_leaks):
     pool.close()
 
 
-def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks):
-    # Steps of 1.5 s, interrupted after 0.1 s: the timer thread has ample slack on a loaded machine.
-    pool = EnvPool([functools.partial(SlowCartPole, seconds=1.5)] * 2, num_workers=2)
+@pytest.mark.slow
+def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks, tmp_path):
+    # Steps of 1.5 s, interrupted once both began: the interrupting thread has ample slack on a
+    # loaded machine.
+    stepping = str(tmp_path / "stepping")
+    pool = EnvPool([functools.partial(SlowCartPole, seconds=1.5, stepping=stepping)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
-    interrupt_soon(0.1)
+    interrupt_at_events(stepping, 2)
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
     result = pool.step_wait()  # the interrupted step is still pending and completes
     assert result.rewards.tolist() == [1.0, 1.0]
-    interrupt_soon(0.1)
+    interrupt_at_events(stepping, 4)
     with pytest.raises(KeyboardInterrupt):
         _step_zeros(pool)
     pool.close()
 
 
-def test_after_an_interrupted_step_every_call_finishes_it_first(no_leaks):
+def test_after_an_interrupted_step_every_call_finishes_it_first(no_leaks, tmp_path):
     """Ctrl-C in a step, then a reset, a new step or an env call, as after an interrupted
     ``learn()`` or CleanRL loop (whose ``step`` has no ``step_wait``): the interrupted step ends, its
     results dropped, and the call goes ahead, as with DummyVecEnv and SyncVectorEnv."""
     from tests.envs import SlowCartPole
 
-    pool = EnvPool([functools.partial(SlowCartPole, seconds=0.5)] * 2, num_workers=2)
+    stepping = str(tmp_path / "stepping")
+    pool = EnvPool([functools.partial(SlowCartPole, seconds=0.5, stepping=stepping)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
     for then in ("reset", "step", "call"):
         pool.reset(seeds=[0, 1])
-        interrupt_soon(0.1)
+        interrupt_at_events(stepping, events(stepping) + 2)  # once both envs are in the step
         with pytest.raises(KeyboardInterrupt):
             _step_zeros(pool)
         if then == "reset":
@@ -939,16 +920,17 @@ def test_after_an_interrupted_step_every_call_finishes_it_first(no_leaks):
     pool.close()
 
 
-def test_adapters_are_usable_after_an_interrupted_step(no_leaks):
+def test_adapters_are_usable_after_an_interrupted_step(no_leaks, tmp_path):
     from clusterenv_cleanrl import ClusterVectorEnv
     from clusterenv_sb3 import ClusterVecEnv
     from tests.envs import SlowCartPole
 
-    env_fns = [functools.partial(SlowCartPole, seconds=0.5)] * 2
+    stepping = str(tmp_path / "stepping")
+    env_fns = [functools.partial(SlowCartPole, seconds=0.5, stepping=stepping)] * 2
     for venv in (ClusterVecEnv(env_fns), ClusterVectorEnv(env_fns)):
         with venv:
             venv.reset()
-            interrupt_soon(0.1)
+            interrupt_at_events(stepping, events(stepping) + 2)  # once both envs are in the step
             with pytest.raises(KeyboardInterrupt):
                 venv.step(np.zeros(2, np.int64))
             venv.reset()

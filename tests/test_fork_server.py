@@ -19,7 +19,7 @@ from clusterenv_core import EnvPool, WorkerLostError
 from clusterenv_core.transports.local import fork_server
 from clusterenv_core.transports.local.fork_server import ForkedWorker
 from clusterenv_core.transports.local.fork_server_program import IDLE_SECONDS
-from tests.compare import assert_same
+from tests.helpers import assert_same
 
 pytestmark = pytest.mark.skipif(not fork_server.pidfd_supported(), reason="no pidfds on this system")
 
@@ -99,6 +99,7 @@ def test_a_killed_forked_worker_is_reported_with_its_signal():
             pool.step(np.zeros(2, np.int64))
 
 
+@pytest.mark.slow
 def test_the_server_ends_once_it_had_no_worker_for_a_while():
     with EnvPool([CARTPOLE] * 2, num_workers=2) as pool:
         server = _server_of(pool)

@@ -25,8 +25,8 @@ from hypothesis import strategies as st  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 
 from clusterenv_cleanrl import ClusterVectorEnv  # noqa: E402
-from tests.compare import assert_same  # noqa: E402
 from tests.envs import FuzzEnv  # noqa: E402
+from tests.helpers import assert_same  # noqa: E402
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 EXAMPLES = int(os.environ.get("CLUSTERENV_FUZZ_EXAMPLES", "12"))

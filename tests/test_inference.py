@@ -13,7 +13,6 @@ import time
 
 import gymnasium as gym
 import numpy as np
-import psutil
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -38,7 +37,7 @@ from clusterenv_core.policy import (  # noqa: E402
 )
 from clusterenv_core.shutdown import CLOSE_TIMEOUT  # noqa: E402
 from tests.envs import ActionDtypeEnv, FailingEnv, HangingEnv, SlowCartPole  # noqa: E402
-from tests.interrupts import interrupt_soon  # noqa: E402
+from tests.helpers import buffer_mappings, interrupt_soon, process_ended, wait_for_events, wait_until_ended  # noqa: E402
 from tests.policies import (  # noqa: E402
     BernoulliPolicy,
     ConstantPolicy,
@@ -258,6 +257,7 @@ def test_a_reader_waits_for_a_live_writer_and_gives_up_on_a_dead_one():
         reader.read_newer(1, out)
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_learner_dies_in_the_middle_of_a_weights_write(tmp_path):
     script = tmp_path / "learner.py"
     script.write_text(
@@ -283,16 +283,8 @@ def test_workers_exit_when_the_learner_dies_in_the_middle_of_a_weights_write(tmp
     learner.kill()
     learner.wait()
 
-    def running(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has exited
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + 10  # they check every quarter second; the rest is a loaded machine's slack
-    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = [pid for pid in pids if running(pid)]
+    wait_until_ended(pids, within=10)  # they check every quarter second; the rest is a loaded machine's slack
+    left = [pid for pid in pids if not process_ended(pid)]
     for pid in left:  # not to leave them spinning for ever
         os.kill(pid, signal.SIGKILL)
     assert left == [], "workers outlived their learner, waiting for its unfinished weights write"
@@ -317,8 +309,6 @@ def test_rollout_equals_sequential_reference():
 
 
 def test_close_unmaps_the_weights_and_segment_regions():
-    from tests.test_failures import buffer_mappings
-
     before = buffer_mappings()
     pool = EnvPool.make("CartPole-v1", 4, num_workers=2)
     pool.reset(seeds=[0, 1, 2, 3])
@@ -333,24 +323,25 @@ def test_close_unmaps_the_weights_and_segment_regions():
         actors.rollout(8)
 
 
-def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themselves():
+@pytest.mark.slow
+def test_close_ends_a_pending_segment_early_and_lets_the_workers_exit_by_themselves(tmp_path):
     """A segment started and not waited for (overlapped collection at the end of training), far longer
     than close() waits for a busy worker: the workers end it at their next step, answer the close
     request and exit, none killed; the pool's timeout (60 s) plays no part."""
-    with EnvPool([functools.partial(SlowCartPole, 0.01)] * 2, num_workers=2) as pool:
+    stepping = str(tmp_path / "stepping")
+    with EnvPool([functools.partial(SlowCartPole, 0.01, stepping=stepping)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
         pool.deploy(LinearPolicy()).rollout_async(100_000)  # 1,000 s of stepping
-        time.sleep(0.2)  # the workers are collecting
+        wait_for_events(stepping, 4)  # the workers are collecting
         processes = list(pool._transport.processes)
         started = time.monotonic()
     assert time.monotonic() - started < CLOSE_TIMEOUT
     assert [process.returncode for process in processes] == [0, 0]
 
 
+@pytest.mark.slow
 def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     # Models keep their WorkerActors, and a caught deploy error its traceback: neither may keep memory.
-    from tests.test_failures import buffer_mappings
-
     before = buffer_mappings()
     pool = EnvPool.make("CartPole-v1", 3, num_workers=3)
     pool.reset(seeds=[0, 1, 2])
@@ -377,6 +368,7 @@ def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     assert caught.value.worker_index == 2
 
 
+@pytest.mark.slow
 def test_repeated_deploys_do_not_grow_the_shared_memory():
     # Each deploy of another policy replaces the last one's weights and segment regions: their pages
     # go back to the system, except those a kept Rollout still views, which stay readable.
@@ -398,6 +390,7 @@ def test_repeated_deploys_do_not_grow_the_shared_memory():
         assert np.array_equal(kept.obs, kept_obs)
 
 
+@pytest.mark.slow
 def test_an_env_error_read_before_ctrl_c_cut_rollout_wait_short_is_raised_when_it_resumes():
     # rollout_wait reads worker 0's failed segment, then waits for worker 1's slow one: Ctrl-C
     # there leaves worker 0's reply read, and the resumed rollout_wait raises its error.
@@ -416,6 +409,7 @@ def test_an_env_error_read_before_ctrl_c_cut_rollout_wait_short_is_raised_when_i
         pool.reset(seeds=[0, 1])
 
 
+@pytest.mark.slow
 def test_an_interrupted_rollout_is_finished_by_the_next_call():
     with EnvPool([functools.partial(SlowCartPole, seconds=0.05)] * 2, num_workers=2) as pool:
         pool.reset(seeds=[0, 1])
@@ -442,7 +436,7 @@ def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply(in
 def ctrl_c_in(transport, receive: str) -> None:
     """Ctrl-C (a real SIGINT) once, as the transport's next ``receive`` of the rows or arrays that
     follow a reply starts: the reply is read by then."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as tests.interrupts.interrupt_soon
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as tests.helpers.interrupt_soon
         signal.signal(signal.SIGINT, signal.default_int_handler)
     received = getattr(transport, receive)
 
@@ -480,6 +474,7 @@ def run_ctrl_c_receiving_rows_and_arrays_checks(backend: str, interrupted: str) 
         assert_rollout_matches(actors.rollout(60), expected, last_obs)
 
 
+@pytest.mark.slow
 def test_published_weights_reach_workers_and_versions_are_recorded():
     policy = LinearPolicy(greedy=True)
     with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
@@ -525,6 +520,7 @@ def test_consecutive_segments_never_share_a_region():
             previous, kept = current, current.obs.copy()
 
 
+@pytest.mark.slow
 def test_sampling_rollouts_are_reproducible_with_a_seed():
     def collect():
         torch.manual_seed(3)
@@ -540,6 +536,7 @@ def test_sampling_rollouts_are_reproducible_with_a_seed():
     assert 0 < a1.mean() < 1
 
 
+@pytest.mark.slow
 def test_a_policys_numpy_actor_acts_on_the_workers_with_the_loaded_weights_and_a_seeded_generator():
     def collect(seed):
         with EnvPool.make("CartPole-v1", 4, num_workers=2) as pool:
@@ -617,6 +614,7 @@ def test_rollout_errors_are_clear():
         actors.rollout_wait()
 
 
+@pytest.mark.slow
 def test_rollout_timeout_bounds_the_time_without_progress():
     run_rollout_timeout_checks("local")  # MPI: tests/test_mpi_backend.py, in a process of its own
 

@@ -15,15 +15,17 @@ import numpy as np
 import pytest
 
 from clusterenv_core import EnvError, EnvPool
-from tests.envs import FailingEnv, SameInfoDictEnv, SlowCartPole, StateInInfoEnv, make_dict_env
-from tests.interrupts import interrupt_soon
-from tests.test_failures import no_leaks  # noqa: F401  (fixture)
+from tests.envs import (
+    FailingEnv,
+    SameInfoDictEnv,
+    SlowCartPole,
+    StateInInfoEnv,
+    cartpole_with_statistics,
+    make_dict_env,
+)
+from tests.helpers import interrupt_at_events, run_and_compare, run_side_by_side
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
-
-
-def _cartpole_with_statistics():
-    return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))
 
 
 def _failing_cartpole(fail_at: int):
@@ -32,17 +34,14 @@ def _failing_cartpole(fail_at: int):
 
 def test_results_match_dummy_vec_env():
     pytest.importorskip("stable_baselines3")
-    from tests.test_sb3_contract import run_side_by_side
-
     for env_fns in ([make_dict_env] * 5, [CARTPOLE] * 4):
         run_side_by_side(env_fns, steps=600, inline_worker=True)
 
 
 def test_results_match_sync_vector_env():
     from clusterenv_cleanrl import ClusterVectorEnv
-    from tests.test_cleanrl_vector_env import run_and_compare
 
-    env_fns = [_cartpole_with_statistics] * 4
+    env_fns = [cartpole_with_statistics] * 4
     sync = gym.vector.SyncVectorEnv(env_fns)
     with ClusterVectorEnv(env_fns, num_workers=2, inline_worker=True) as cluster:
         counts = run_and_compare(cluster, sync, 500, seed=1)
@@ -107,13 +106,15 @@ def test_a_failing_inline_env_names_env_and_worker_and_the_pool_lives_on(no_leak
     pool.close()
 
 
-def test_ctrl_c_during_the_inline_step_interrupts_the_wait_not_the_env(no_leaks):
-    # Steps of 1 s, interrupted after 0.1 s: the inline env finishes its step, then the learner's
-    # wait raises, and the step stays pending as with worker processes.
-    pool = EnvPool([functools.partial(SlowCartPole, seconds=1.0)] * 2, num_workers=2, backend_options={"inline_worker": True})
+def test_ctrl_c_during_the_inline_step_interrupts_the_wait_not_the_env(no_leaks, tmp_path):
+    # Steps of 1 s, interrupted once both began: the inline env finishes its step, then the
+    # learner's wait raises, and the step stays pending as with worker processes.
+    stepping = str(tmp_path / "stepping")
+    env_fns = [functools.partial(SlowCartPole, seconds=1.0, stepping=stepping)] * 2
+    pool = EnvPool(env_fns, num_workers=2, backend_options={"inline_worker": True})
     pool.reset(seeds=[0, 1])
     actions = np.zeros(2, dtype=np.int64)
-    interrupt_soon(0.1)
+    interrupt_at_events(stepping, 2)
     with pytest.raises(KeyboardInterrupt):
         pool.step(actions)
     result = pool.step_wait()
@@ -138,33 +139,3 @@ def test_worker_side_inference_is_refused_clearly(no_leaks):
 def test_bad_option_is_rejected_before_start(no_leaks):
     with pytest.raises(ValueError, match="inline_worker must be a bool"):
         EnvPool.make("CartPole-v1", 2, backend_options={"inline_worker": "yes"})
-
-
-
-def test_asynchronous_batches_give_each_env_its_own_trajectory():
-    from tests.test_async_batches import check_trajectories_match_envs_alone
-
-    check_trajectories_match_envs_alone(4, recvs=150, backend_options={"inline_worker": True})
-
-
-@pytest.fixture
-def inline_vector_env(monkeypatch):
-    """test_cleanrl_vector_env's checks, run with an inline worker."""
-    from clusterenv_cleanrl import ClusterVectorEnv
-    from tests import test_cleanrl_vector_env as checks
-
-    monkeypatch.setattr(checks, "ClusterVectorEnv", functools.partial(ClusterVectorEnv, inline_worker=True))
-    return checks
-
-
-def test_spaces_without_buffers_and_copy_semantics(inline_vector_env):
-    # The inline block's observations and infos are the envs' own objects, not unpickled copies:
-    # what reaches the caller must still be what SyncVectorEnv gives, copies where it copies.
-    checks = inline_vector_env
-    mode = checks.MODES[0]
-    checks.test_spaces_without_buffers(checks.TextObsEnv, mode)
-    for pair in ("graph obs", "text actions", "nested obs, dict actions"):
-        checks.test_more_spaces(pair, mode)
-    checks.test_final_observation_is_the_envs_own_dict()
-    for copy in (True, False):
-        checks.test_copy_semantics(copy)

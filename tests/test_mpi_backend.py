@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,46 +17,9 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py (pip install -e '.[mpi]')")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "tests", "mpi_scripts")
-_BESIDE = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-MPIEXEC = _BESIDE if os.access(_BESIDE, os.X_OK) else shutil.which("mpiexec")
+from tests.helpers import assert_exit_codes, launch, wait_until_ended
+
 MODES = ("spawn", "mpmd", "spmd")
-WORKERS = 2
-
-
-def launch(
-    mode: str, script: str, *args: str, timeout: float = 300.0, worker: list[str] | None = None
-) -> tuple[int, str, float]:
-    """Run ``script`` in launch ``mode`` with 2 worker ranks (``learners``: 2 ranks under mpiexec, for
-    scripts whose learners spawn their own); returns (exit code, output, seconds).
-
-    MPMD worker ranks run ``worker`` (default: the worker program without arguments, as users type it).
-    """
-    path = os.path.join(SCRIPTS, script)
-    python = sys.executable
-    if mode == "spawn":
-        command = [python, path, *args]
-    else:
-        assert MPIEXEC, "mpiexec not found next to the interpreter nor on PATH"
-        if mode == "learners":  # two ranks, each a learner (launch="spawn" under mpiexec)
-            command = [MPIEXEC, "-print-all-exitcodes", "-n", "2", python, path, *args]
-        elif mode == "mpmd":
-            worker = worker or [python, "-m", "clusterenv_core.worker"]
-            command = [MPIEXEC, "-print-all-exitcodes", "-n", "1", python, path, *args, ":", "-n", str(WORKERS), *worker]
-        else:
-            command = [MPIEXEC, "-print-all-exitcodes", "-n", str(WORKERS + 1), python, path, *args]
-    started = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(command)} did not finish within {timeout:g} s:\n{output}")
-    return process.returncode, output, time.monotonic() - started
 
 
 def worker_pids(output: str) -> list[int]:
@@ -66,24 +28,8 @@ def worker_pids(output: str) -> list[int]:
     return [int(pid) for pid in match.group(1).split()]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def assert_gone(pids: list[int], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in pids if alive(pid)], f"worker ranks still running: {pids}"
-
-
-def assert_exit_codes(output: str, codes: str) -> None:
-    """mpiexec -print-all-exitcodes: e.g. ``0,0,0`` (learner first)."""
-    assert re.search(rf"Exit codes: \[[^\]]+\] {re.escape(codes)}\s*$", output, re.MULTILINE), output
+    assert wait_until_ended(pids, within), f"worker ranks still running: {pids}"
 
 
 def shm_names() -> set[str]:
@@ -112,6 +58,7 @@ def no_shm_left():
 CONTRACT_CHECKS = ("cartpole", "dict", "vector", "rollout")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 @pytest.mark.parametrize("check", CONTRACT_CHECKS)
 def test_matches_dummy_vec_env(mode, check):
@@ -122,6 +69,7 @@ def test_matches_dummy_vec_env(mode, check):
     assert_exit_codes(output, "0,0,0")
 
 
+@pytest.mark.slow
 def test_matches_dummy_vec_env_spawned():
     """The same checks from one plain python process, which spawns a pool for each in turn (a world
     launch serves one pool)."""
@@ -129,6 +77,7 @@ def test_matches_dummy_vec_env_spawned():
     assert code == 0 and all(f"OK {check}" in output for check in CONTRACT_CHECKS), output
 
 
+@pytest.mark.slow
 def test_reset_keywords_reach_the_envs_as_sent():
     """The learner's choice of reset keywords (SB3's: ``options`` only when set) travels to MPI
     workers unchanged: the envs get what DummyVecEnv passes them."""
@@ -136,6 +85,7 @@ def test_reset_keywords_reach_the_envs_as_sent():
     assert code == 0 and "OK reset_keywords" in output, output
 
 
+@pytest.mark.slow
 def test_spawn_under_mpiexec_gives_every_learner_its_own_workers():
     """launch="spawn" in a job of two ranks: two learners, each spawning two worker ranks of its own,
     both identical to DummyVecEnv."""
@@ -152,6 +102,7 @@ def test_ppo_parameters_identical_to_dummy_vec_env(mode):
     assert code == 0 and "OK ppo" in output, output
 
 
+@pytest.mark.slow
 def test_fuzzer_agrees_on_mpi():
     """The differential fuzzer's properties (tests/test_fuzz.py) with spawned MPI workers."""
     pytest.importorskip("hypothesis")
@@ -159,6 +110,7 @@ def test_fuzzer_agrees_on_mpi():
     assert code == 0 and "OK fuzz" in output, output
 
 
+@pytest.mark.slow
 def test_async_batches_on_mpi():
     """Asynchronous batches (tests/test_async_batches.py) with spawned MPI workers."""
     code, output, _ = launch("spawn", "async_batches.py")
@@ -212,6 +164,7 @@ def test_spawned_worker_death_blames_no_rank_that_did_not_die():
     assert_gone(worker_pids(output))
 
 
+@pytest.mark.slow
 def test_no_spawn_after_close_killed_a_stuck_rank():
     code, output, _ = launch("spawn", "faults.py", "spawn_after_a_killed_rank")
     assert code == 0, output
@@ -219,6 +172,7 @@ def test_no_spawn_after_close_killed_a_stuck_rank():
     assert match and float(match.group(1)) < 1.0, output
 
 
+@pytest.mark.slow
 def test_close_receives_the_segments_of_a_pending_rollout():
     """A rollout started and not waited for: close() receives its segments, so no message is left
     unmatched (UCX warned of each) and no worker is kept from its close request (a large segment
@@ -228,6 +182,7 @@ def test_close_receives_the_segments_of_a_pending_rollout():
     assert "unexpected tag-receive" not in output, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["closing envs", "disconnecting", "waiting for exits"])
 def test_ctrl_c_during_close_ends_the_ranks_and_releases_everything(where):
     """As with the local backend: KeyboardInterrupt at once, nothing left running or held. Ranks still
@@ -244,6 +199,7 @@ def test_ctrl_c_during_close_ends_the_ranks_and_releases_everything(where):
         assert "NEXT POOL spawned" in output, output
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_close_still_kills_the_ranks_that_did_not_exit():
     """Ctrl-C while close() waits for the ranks to exit, then again in the second it gives them
     before it kills them: they are killed all the same, and KeyboardInterrupt comes after that."""
@@ -262,6 +218,7 @@ def test_world_worker_death_ends_the_job(mode):
     assert code != 0 and seconds < 60.0, output
 
 
+@pytest.mark.slow
 def test_spawned_hang_is_timeout_and_close_kills_the_rank():
     code, output, _ = launch("spawn", "faults.py", "hang")
     assert code == 0, output
@@ -271,12 +228,14 @@ def test_spawned_hang_is_timeout_and_close_kills_the_rank():
     assert_gone(worker_pids(output))
 
 
+@pytest.mark.slow
 def test_rollout_timeout_bounds_the_time_without_progress():
     """tests/test_inference.py's checks over MPI: progress reports cross the MPI transport too."""
     code, output, _ = launch("spawn", "faults.py", "rollout_progress")
     assert code == 0 and "OK rollout_progress" in output, output
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply():
     """tests/test_inference.py's checks over MPI, where the rows and arrays are messages to wait for:
     Ctrl-C there no longer loses the reply (the next call then timed out waiting for it)."""
@@ -286,6 +245,7 @@ def test_ctrl_c_while_the_rows_or_arrays_after_a_reply_come_in_loses_no_reply():
     assert "OK ctrl_c_receiving_rows_and_arrays reset" in output, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mpmd", "spmd"])
 def test_world_hang_is_timeout_then_abort_at_exit(mode):
     """A stuck world rank cannot be killed alone: WorkerTimeoutError, close() returns, and the learner
@@ -328,6 +288,7 @@ def test_wrong_num_workers_is_value_error_naming_the_right_one(mode):
     assert_exit_codes(output, "0,0,0")
 
 
+@pytest.mark.slow
 def test_worker_program_with_the_backend_argument_serves_too():
     code, output, _ = launch("mpmd", "contract.py", "cartpole", worker=[sys.executable, "-m", "clusterenv_core.worker", "mpi"])
     assert code == 0 and "OK cartpole" in output, output
@@ -362,6 +323,7 @@ def test_worker_program_that_cannot_serve_ends_the_job_within_seconds(worker, re
     assert seconds < 20, f"the job took {seconds:.1f} s to end"
 
 
+@pytest.mark.slow
 def test_learner_gives_up_on_a_rank_that_never_starts_mpi(monkeypatch):
     """A worker program that dies before any of ClusterEnv runs (here: at once) cannot abort the
     job; the learner's wait in MPI_Init is bounded by the connect timeout instead.
@@ -421,6 +383,7 @@ def test_only_mpich_segment_names_this_process_maps_are_removed():
                 os.unlink(path)
 
 
+@pytest.mark.slow
 def test_importing_clusterenv_does_not_import_mpi4py():
     code = "import sys, clusterenv_core, clusterenv_sb3; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -9,6 +9,7 @@ import time
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, WorkerLostError
@@ -23,8 +24,9 @@ from tests.envs import (
     ResetKeywordsEnv,
     SuicidalEnv,
     lost_once,
+    write_event,
 )
-from tests.interrupts import interrupt_soon
+from tests.helpers import interrupt_at_events, wait_until_ended
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -49,9 +51,11 @@ def _dies_then_cannot_be_rebuilt(flag: str) -> gym.Env:
     return SuicidalEnv(gym.make("CartPole-v1"), die_at=2)
 
 
-def _hangs_then_rebuilds_slowly(flag: str) -> gym.Env:
-    """CartPole whose first process hangs at step 1; building it again takes 2 s (a slow simulator)."""
+def _hangs_then_rebuilds_slowly(flag: str, rebuilding: str) -> gym.Env:
+    """CartPole whose first process hangs at step 1; building it again takes 2 s (a slow simulator),
+    from an event written to ``rebuilding``."""
     if os.path.exists(flag):
+        write_event(rebuilding)
         time.sleep(2.0)
         return gym.make("CartPole-v1")
     open(flag, "w").close()
@@ -265,7 +269,13 @@ def _lose_worker(pid: int, how: str) -> None:
     """``killed``: the worker is gone before it is told anything (sending to it fails); ``stopped``:
     it takes the request and never answers (its reply times out)."""
     os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-    time.sleep(0.2)
+    if how == "killed":
+        assert wait_until_ended([pid])
+        return
+    deadline = time.monotonic() + 5
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"worker {pid} not stopped after 5 s"
+        time.sleep(0.01)
 
 
 def test_a_replacement_resets_its_envs_as_automatic_resets_do():
@@ -339,6 +349,7 @@ def test_a_replacement_workers_stderr_is_forwarded_however_often_it_was_replaced
     assert "line after restart 4" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_stuck_worker_is_replaced_next_step():
     env_fns = [CARTPOLE, functools.partial(_with, HangingEnv, hang_at=2)]
     with EnvPool(
@@ -355,12 +366,14 @@ def test_stuck_worker_is_replaced_next_step():
         assert result.rewards[1] == 0.0 and not result.truncated[1]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_lost_worker_is_replaced_then_resume(tmp_path):
     # The step times out after 1 s and the replacement builds its env for 2 s: Ctrl-C lands there.
-    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"))]
+    rebuilding = str(tmp_path / "rebuilding")
+    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"), rebuilding)]
     with EnvPool(env_fns, num_workers=2, timeout=1.0, restart_failed_workers=True) as pool:
         pool.reset(seeds=[0, 1])
-        interrupt_soon(1.6)
+        interrupt_at_events(rebuilding, 1)
         with pytest.raises(KeyboardInterrupt):
             pool.step(_zeros(pool))
         result = pool.step_wait()  # the replacement is done again, and counted once
@@ -371,14 +384,16 @@ def test_ctrl_c_while_a_lost_worker_is_replaced_then_resume(tmp_path):
             assert not pool.step(_zeros(pool)).truncated.any()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_lost_worker_is_replaced_in_asynchronous_batches(tmp_path):
-    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"))]
+    rebuilding = str(tmp_path / "rebuilding")
+    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"), rebuilding)]
     with EnvPool(env_fns, num_workers=2, timeout=1.0, autoreset_mode="next_step", restart_failed_workers=True) as pool:
         batches = pool.async_batches(1)
         batches.reset(seeds=[0, 1])
         for _ in range(2):
             batches.send(np.zeros(1, np.int64), batches.recv().env_ids)  # env 1's worker hangs
-        interrupt_soon(1.6)
+        interrupt_at_events(rebuilding, 1)
         with pytest.raises(KeyboardInterrupt):
             while True:
                 batches.send(np.zeros(1, np.int64), batches.recv().env_ids)
@@ -426,6 +441,7 @@ def test_a_replacement_that_cannot_build_its_envs_leaves_the_pool_failed(tmp_pat
         assert pool.restarts["workers"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "stuck"])
 def test_a_worker_lost_during_a_segment_is_replaced_and_its_part_collected_anew(tmp_path, how):
     torch = pytest.importorskip("torch")
@@ -466,6 +482,7 @@ def test_a_worker_lost_during_a_segment_is_replaced_and_its_part_collected_anew(
         pool.step(_zeros(pool))
 
 
+@pytest.mark.slow
 def test_a_worker_lost_again_during_a_segment_with_no_restarts_left_fails_the_pool():
     pytest.importorskip("torch")
     from tests.policies import LinearPolicy
@@ -487,16 +504,18 @@ def test_a_worker_lost_again_during_a_segment_with_no_restarts_left_fails_the_po
         assert pool.restarts == {"envs": 0, "workers": 0}
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_a_worker_lost_during_a_segment_is_replaced_then_resume(tmp_path):
     pytest.importorskip("torch")
     from tests.policies import LinearPolicy
 
     # The segment times out after 1 s and the replacement builds its env for 2 s: Ctrl-C lands there.
-    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"))]
+    rebuilding = str(tmp_path / "rebuilding")
+    env_fns = [CARTPOLE, functools.partial(_hangs_then_rebuilds_slowly, str(tmp_path / "hung"), rebuilding)]
     with EnvPool(env_fns, num_workers=2, timeout=1.0, restart_failed_workers=True) as pool:
         pool.reset(seeds=[0, 1])
         actors = pool.deploy(LinearPolicy())
-        interrupt_soon(1.6)
+        interrupt_at_events(rebuilding, 1)
         with pytest.raises(KeyboardInterrupt):
             actors.rollout(4)
         assert actors.wait_interrupted and pool.restarts["workers"] == 1  # interrupted while replacing
@@ -506,6 +525,7 @@ def test_ctrl_c_while_a_worker_lost_during_a_segment_is_replaced_then_resume(tmp
         assert actors.rollout(4).restarted_envs == []
 
 
+@pytest.mark.slow
 def test_a_worker_replaced_in_a_step_takes_the_deployed_policy():
     torch = pytest.importorskip("torch")
     from tests.policies import LinearPolicy

@@ -40,18 +40,21 @@ def run_script(*args: str, timeout: float = 300.0) -> str:
     return output
 
 
+@pytest.mark.slow
 def test_script_registrations_reach_local_workers():
     output = run_script("local", *LOCAL_CHECKS)
     for check in LOCAL_CHECKS:
         assert f"OK {check}" in output, output
 
 
+@pytest.mark.slow
 def test_script_running_as_a_spawn_or_forkserver_child_reaches_local_workers():
     # A multiprocessing child has the script as __mp_main__, which cloudpickle would send by reference.
     output = run_script("local", "in_child")
     assert "OK in_child" in output, output
 
 
+@pytest.mark.slow
 def test_ids_an_env_package_registers_on_import_build_without_warnings():
     pytest.importorskip("ale_py")
     output = run_script("local", "ale")
@@ -60,6 +63,7 @@ def test_ids_an_env_package_registers_on_import_build_without_warnings():
     assert "Overriding environment" not in output, output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, check",
     [("spawn", "main_class"), ("mpmd", "main_class"), ("spmd", "main_class"), ("mpmd", "module_string"), ("mpmd", "main_string")],
@@ -67,7 +71,7 @@ def test_ids_an_env_package_registers_on_import_build_without_warnings():
 def test_script_registrations_reach_mpi_ranks(mode, check):
     pytest.importorskip("mpi4py")
     pytest.importorskip("stable_baselines3")
-    from tests.test_mpi_backend import assert_exit_codes, launch
+    from tests.helpers import assert_exit_codes, launch
 
     code, output, _ = launch(mode, SCRIPT, "mpi", check)
     assert code == 0 and f"OK {check}" in output, output

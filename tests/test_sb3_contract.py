@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections import OrderedDict
 
 import gymnasium as gym
@@ -16,7 +15,6 @@ from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMonitor, VecNormalize  # noqa: E402
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
-from tests.compare import assert_same  # noqa: E402
 from tests.envs import (  # noqa: E402
     CallCounter,
     InPlaceStateEnv,
@@ -28,49 +26,14 @@ from tests.envs import (  # noqa: E402
     SpacesEnv,
     make_dict_env,
 )
-
-STEPS = 2000
-
-
-def run_side_by_side(env_fns, steps: int = STEPS, seed: int = 3, on_start=None, **cluster_kwargs) -> tuple[int, float]:
-    """ClusterVecEnv(env_fns, **cluster_kwargs) and DummyVecEnv(env_fns) give identical results for
-    ``steps`` steps of the same random actions (also run by tests/mpi_scripts/contract.py and
-    tests/cluster/multihost.py). ``on_start(cluster_vec_env)`` runs once both exist. Returns the
-    episodes ended and the seconds the steps took."""
-    # ClusterVecEnv first: in an SPMD MPI launch, worker ranks turn into workers right here.
-    actual = ClusterVecEnv(env_fns, **{"num_workers": 2, **cluster_kwargs})
-    expected = DummyVecEnv(env_fns)
-    try:
-        if on_start is not None:
-            on_start(actual)
-        expected.seed(seed)
-        actual.seed(seed)
-        assert_same(actual.reset(), expected.reset(), "reset obs")
-        assert_same(actual.reset_infos, expected.reset_infos, "reset_infos")
-        expected.action_space.seed(seed)
-        episodes_ended = 0
-        stepping = time.monotonic()
-        for t in range(steps):
-            actions = np.stack([expected.action_space.sample() for _ in range(expected.num_envs)])
-            want = expected.step(actions)
-            got = actual.step(actions)
-            for name, g, w in zip(("obs", "rewards", "dones", "infos"), got, want):
-                assert_same(g, w, f"{name} at step {t}")
-            assert_same(actual.reset_infos, expected.reset_infos, f"reset_infos at step {t}")
-            episodes_ended += int(want[2].sum())
-        seconds = time.monotonic() - stepping
-        assert episodes_ended > 10, "the run must cover many automatic resets"
-        assert_same(actual.get_attr("spec"), expected.get_attr("spec"), "get_attr")
-    finally:
-        actual.close()
-        expected.close()
-    return episodes_ended, seconds
+from tests.helpers import assert_same, run_side_by_side  # noqa: E402
 
 
 def test_cartpole_matches_dummy_vec_env():
     run_side_by_side([functools.partial(gym.make, "CartPole-v1")] * 8)
 
 
+@pytest.mark.slow
 def test_dict_obs_continuous_truncation_matches_dummy_vec_env():
     # 5 envs on 2 workers: uneven blocks; the env truncates at 25 steps and terminates at random.
     run_side_by_side([make_dict_env] * 5)
@@ -152,6 +115,7 @@ def _assert_same_run(actual, expected, steps: int, num_envs: int) -> None:
         actual.close()
 
 
+@pytest.mark.slow
 def test_make_vec_env_matches():
     def build(vec_env_cls):
         return make_vec_env("CartPole-v1", n_envs=6, seed=5, vec_env_cls=vec_env_cls)
@@ -159,6 +123,7 @@ def test_make_vec_env_matches():
     _assert_same_run(build(ClusterVecEnv), build(DummyVecEnv), steps=300, num_envs=6)
 
 
+@pytest.mark.slow
 def test_vec_normalize_frame_stack_monitor_match():
     def build(vec_env_cls):
         venv = VecMonitor(vec_env_cls([functools.partial(gym.make, "CartPole-v1")] * 6))

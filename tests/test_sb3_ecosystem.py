@@ -20,6 +20,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
 
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each trains
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

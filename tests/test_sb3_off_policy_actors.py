@@ -17,18 +17,19 @@ from stable_baselines3.common.noise import NormalActionNoise, OrnsteinUhlenbeckA
 from clusterenv_core.aaps import PolicySync, divergence  # noqa: E402
 from clusterenv_sb3 import SAC, TD3, AAPSCallback  # noqa: E402
 from clusterenv_sb3.policies import SACActorDeployable, TD3ActorDeployable, weights_nbytes  # noqa: E402
-from tests.test_sb3_worker_inference import (  # noqa: E402
-    _assert_same_collection,
-    _cluster_env,
-    _dummy_env,
-    _eval_return,
-    _first_segments,
-    _recording_logger,
-    one_torch_thread,  # noqa: F401 (an autouse fixture)
+from tests.sb3_helpers import (  # noqa: E402
+    assert_same_collection,
+    cluster_vec_env,
+    dummy_vec_env,
+    eval_return,
+    first_segments,
+    recording_logger,
 )
 
 NOISE = NormalActionNoise(np.zeros(1), 0.3 * np.ones(1))
 ALGORITHMS = {"SAC": (SAC, sb3.SAC), "TD3": (TD3, sb3.TD3)}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _replaying(buffer_actions: np.ndarray):
@@ -56,14 +57,14 @@ def test_replay_buffer_is_what_sb3_stores_for_the_same_actions(name):
         policy="MlpPolicy", learning_starts=24, train_freq=6, gradient_steps=2, batch_size=16, action_noise=NOISE,
         policy_kwargs={"net_arch": [32, 32]},
     )
-    env = _cluster_env("Pendulum-v1", max_episode_steps=10)
+    env = cluster_vec_env("Pendulum-v1", max_episode_steps=10)
     try:
-        ours = _first_segments(ours_class, env, 8, **kwargs)
+        ours = first_segments(ours_class, env, 8, **kwargs)
         buffer = ours[1][-1]["actions"]
-        reference = _first_segments(
-            sb3_class, _dummy_env("Pendulum-v1", max_episode_steps=10), 8, prepare=_replaying(buffer), **kwargs
+        reference = first_segments(
+            sb3_class, dummy_vec_env("Pendulum-v1", max_episode_steps=10), 8, prepare=_replaying(buffer), **kwargs
         )
-        _assert_same_collection(ours, reference)
+        assert_same_collection(ours, reference)
         model = ours[0]
         assert ours[1][-1]["timeouts"].any() and not ours[1][-1]["dones"][ours[1][-1]["timeouts"] == 0].any()
         assert np.all(np.abs(buffer) <= 1.0)  # scaled, clipped actions
@@ -72,12 +73,13 @@ def test_replay_buffer_is_what_sb3_stores_for_the_same_actions(name):
         env.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_seeded_run_without_overlap_is_reproducible_and_only_the_actor_travels(name):
     ours_class, _ = ALGORITHMS[name]
     states, stats = [], None
     for _ in range(2):
-        env = _cluster_env("Pendulum-v1", n_envs=2)
+        env = cluster_vec_env("Pendulum-v1", n_envs=2)
         try:
             model = ours_class(
                 "MlpPolicy", env, seed=3, learning_starts=50, train_freq=8, gradient_steps=4, batch_size=32,
@@ -156,7 +158,7 @@ def test_sac_divergence_is_the_gaussian_kl_before_the_tanh():
 @pytest.mark.parametrize("margin, pushed", [(-1e-3, True), (1e-3, False)])
 def test_aaps_pushes_exactly_when_the_divergence_crosses_the_threshold(margin, pushed):
     """A TD3 actor whose output moved by a known amount: divergence = delta^2 / (2 sigma^2)."""
-    env = _cluster_env("Pendulum-v1", n_envs=2)
+    env = cluster_vec_env("Pendulum-v1", n_envs=2)
     try:
         model = TD3("MlpPolicy", env, seed=0, learning_starts=0, action_noise=NOISE, policy_kwargs={"net_arch": [16]})
         model.learn(2)  # deploys
@@ -178,8 +180,8 @@ def test_aaps_pushes_exactly_when_the_divergence_crosses_the_threshold(margin, p
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_aaps_callback_syncs_less_and_logs(name):
     ours_class, _ = ALGORITHMS[name]
-    env = _cluster_env("Pendulum-v1", n_envs=2)
-    logger, writer = _recording_logger()
+    env = cluster_vec_env("Pendulum-v1", n_envs=2)
+    logger, writer = recording_logger()
     try:
         model = ours_class(
             "MlpPolicy", env, seed=0, learning_starts=64, train_freq=4, gradient_steps=2, batch_size=32,
@@ -196,7 +198,7 @@ def test_aaps_callback_syncs_less_and_logs(name):
 
 
 def test_noise_the_workers_cannot_draw_and_other_spaces_are_refused():
-    env = _cluster_env("Pendulum-v1", n_envs=2)
+    env = cluster_vec_env("Pendulum-v1", n_envs=2)
     try:
         with pytest.raises(ValueError, match="OrnsteinUhlenbeckActionNoise cannot run on the workers"):
             TD3("MlpPolicy", env, action_noise=OrnsteinUhlenbeckActionNoise(np.zeros(1), np.ones(1)))
@@ -204,7 +206,7 @@ def test_noise_the_workers_cannot_draw_and_other_spaces_are_refused():
             SAC("MlpPolicy", env, train_freq=(1, "episode"))
     finally:
         env.close()
-    discrete = _cluster_env("CartPole-v1", n_envs=2)
+    discrete = cluster_vec_env("CartPole-v1", n_envs=2)
     try:
         with pytest.raises(AssertionError, match="only supports"):  # SB3's own check, before ours run
             SAC("MlpPolicy", discrete)
@@ -217,7 +219,7 @@ def test_saved_model_loads_without_an_env_and_acts_like_sb3s(name, tmp_path):
     """As with SB3's own classes, a saved model loads without an env (to predict) and with one (to
     train on)."""
     ours_class, _ = ALGORITHMS[name]
-    env = _cluster_env("Pendulum-v1", n_envs=2)
+    env = cluster_vec_env("Pendulum-v1", n_envs=2)
     try:
         model = ours_class("MlpPolicy", env, seed=0, learning_starts=20, train_freq=8, gradient_steps=1,
                            policy_kwargs={"net_arch": [16]})
@@ -247,7 +249,7 @@ GRADIENT_STEPS = {"SAC": 8, "TD3": 16}
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_learns_pendulum(name):
     ours_class, _ = ALGORITHMS[name]
-    env = _cluster_env("Pendulum-v1", n_envs=2)
+    env = cluster_vec_env("Pendulum-v1", n_envs=2)
     try:
         noise = {"action_noise": NormalActionNoise(np.zeros(1), 0.1 * np.ones(1))} if name == "TD3" else {}
         model = ours_class(
@@ -255,7 +257,7 @@ def test_learns_pendulum(name):
             learning_rate=1e-3, policy_kwargs={"net_arch": [64, 64]}, **noise,
         )
         model.learn(LEARN_STEPS)
-        mean = _eval_return(model, "Pendulum-v1")
+        mean = eval_return(model, "Pendulum-v1")
         assert mean > LEARN_BAR, mean
         # One train() after each 16-step collection past learning_starts, as SB3 counts.
         trains = math.ceil(LEARN_STEPS / 16) - 1000 // 16

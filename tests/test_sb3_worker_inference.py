@@ -17,10 +17,6 @@ import stable_baselines3 as sb3  # noqa: E402
 import torch as th  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 from stable_baselines3.common.callbacks import BaseCallback  # noqa: E402
-from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
-from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
-from stable_baselines3.common.logger import KVWriter, Logger  # noqa: E402
-from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm  # noqa: E402
 from stable_baselines3.common.policies import ActorCriticPolicy  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
@@ -30,8 +26,17 @@ from clusterenv_core.inference import flatten_weights, load_weights  # noqa: E40
 from clusterenv_core.policy import Bernoulli, Categorical, Gaussian, Greedy, MultiCategorical
 from clusterenv_sb3 import A2C, DQN, PPO, AAPSCallback, ClusterVecEnv  # noqa: E402
 from clusterenv_sb3.policies import ActorCriticDeployable, QNetworkDeployable, _NumpyMlpActor, make_deployable  # noqa: E402
-from tests.compare import assert_same  # noqa: E402
 from tests.envs import FailingEnv, lost_once  # noqa: E402
+from tests.sb3_helpers import (  # noqa: E402
+    assert_same_collection,
+    cluster_vec_env,
+    dummy_vec_env,
+    eval_return,
+    first_segments,
+    recording_logger,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 AAPS_KEYS = {
     "aaps/syncs",
@@ -41,15 +46,6 @@ AAPS_KEYS = {
     "aaps/mean_policy_lag",
     "aaps/max_policy_lag",
 }
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One learner thread: reproducible floats, and no thread oversubscription on a shared machine
-    (the workers take the other cores)."""
-    threads = th.get_num_threads()
-    yield
-    th.set_num_threads(threads)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -83,134 +79,6 @@ class ObsSeededPolicy(ActorCriticPolicy):
             actions = inner.mean + inner.stddev * np.sqrt(2.0) * th.erfinv(2 * u - 1)
         log_prob = distribution.log_prob(actions)
         return actions.reshape((-1, *self.action_space.shape)), values, log_prob
-
-
-class RecordingCallback(BaseCallback):
-    """Keeps what callbacks see at every step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps = []
-        self.rollout_ends = 0
-
-    def _on_step(self) -> bool:
-        loc = self.locals
-        self.steps.append(
-            {
-                "rewards": np.array(loc["rewards"]),
-                "actions": np.array(loc["actions"]),  # what the envs got
-                "dones": np.array(loc["dones"]),
-                "infos": [dict(info) for info in loc["infos"]],
-                "new_obs": np.array(loc["new_obs"]),
-                "num_timesteps": self.num_timesteps,
-            }
-        )
-        return True
-
-    def _on_rollout_end(self) -> None:
-        self.rollout_ends += 1
-
-
-class RecordingWriter(KVWriter):
-    """An SB3 logger output that keeps every dump."""
-
-    def __init__(self) -> None:
-        self.dumps: list[dict] = []
-
-    def write(self, key_values, key_excluded, step=0) -> None:
-        self.dumps.append(dict(key_values))
-
-    def close(self) -> None:
-        pass
-
-
-def _recording_logger() -> tuple[Logger, RecordingWriter]:
-    writer = RecordingWriter()
-    return Logger(folder=None, output_formats=[writer]), writer
-
-
-def _cluster_env(env_id: str, n_envs: int = 4, seed: int = 0, num_workers: int = 2, **make_kwargs) -> ClusterVecEnv:
-    return make_vec_env(
-        env_id, n_envs=n_envs, seed=seed, env_kwargs=make_kwargs or None, vec_env_cls=ClusterVecEnv,
-        vec_env_kwargs={"num_workers": num_workers},
-    )
-
-
-def _dummy_env(env_id: str, n_envs: int = 4, seed: int = 0, **make_kwargs) -> DummyVecEnv:
-    return make_vec_env(env_id, n_envs=n_envs, seed=seed, env_kwargs=make_kwargs or None, vec_env_cls=DummyVecEnv)
-
-
-def _first_segments(algorithm, env, segments: int, prepare=None, **kwargs):
-    """Collect ``segments`` times with a train() in between, as learn() does; returns the buffers
-    after each collection and what the callback saw. ``prepare(model)`` runs before collecting."""
-    model = algorithm(env=env, seed=0, device="cpu", **kwargs)
-    if prepare is not None:
-        prepare(model)
-    callback = RecordingCallback()
-    total, cb = model._setup_learn(10**6, callback)
-    snapshots = []
-    for index in range(segments):
-        if isinstance(model, OnPolicyAlgorithm):
-            assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
-            buf = model.rollout_buffer
-            snapshots.append(
-                {name: getattr(buf, name).copy() for name in
-                 ("observations", "actions", "rewards", "episode_starts", "values", "log_probs", "returns", "advantages")}
-            )
-        else:
-            rollout = model.collect_rollouts(
-                model.env, callback=cb, train_freq=model.train_freq, replay_buffer=model.replay_buffer,
-                learning_starts=model.learning_starts,
-            )
-            assert rollout.continue_training
-            buf = model.replay_buffer
-            snapshots.append(
-                {name: getattr(buf, name)[: buf.pos].copy() for name in
-                 ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")}
-            )
-        snapshots[-1]["num_timesteps"] = model.num_timesteps
-        snapshots[-1]["last_obs"] = np.array(model._last_obs)
-        if index < segments - 1:
-            np.random.seed(index)  # SB3's DQN draws from numpy's global RNG while acting; ours does not
-            if isinstance(model, OnPolicyAlgorithm):
-                model.train()
-            else:
-                model.train(gradient_steps=model.gradient_steps, batch_size=model.batch_size)
-    state = {key: value.clone() for key, value in model.policy.state_dict().items()}
-    extra = {"ep_info_buffer": list(model.ep_info_buffer), "callback": callback, "state": state}
-    if isinstance(model, sb3.DQN):
-        extra.update(n_calls=model._n_calls, episode_num=model._episode_num, exploration_rate=model.exploration_rate)
-    else:
-        extra["last_episode_starts"] = model._last_episode_starts.copy()
-    return model, snapshots, extra
-
-
-def _assert_same_collection(ours, reference, float_tol: float = 1e-5) -> None:
-    (_, got, got_extra), (_, want, want_extra) = ours, reference
-    for index, (g, w) in enumerate(zip(got, want)):
-        for name in w:
-            if name in ("values", "log_probs", "returns", "advantages", "rewards"):
-                np.testing.assert_allclose(g[name], w[name], rtol=float_tol, atol=float_tol, err_msg=f"{name} #{index}")
-            else:
-                np.testing.assert_array_equal(g[name], w[name], err_msg=f"{name} #{index}")
-    assert len(got_extra["ep_info_buffer"]) == len(want_extra["ep_info_buffer"]) > 0
-    for g, w in zip(got_extra["ep_info_buffer"], want_extra["ep_info_buffer"]):
-        assert (g["r"], g["l"]) == (w["r"], w["l"])
-    got_steps, want_steps = got_extra["callback"].steps, want_extra["callback"].steps
-    assert len(got_steps) == len(want_steps)
-    for t, (g, w) in enumerate(zip(got_steps, want_steps)):
-        assert_same(g["actions"], w["actions"], f"callback actions at step {t}")
-        assert_same(g["dones"], w["dones"], f"dones at step {t}")
-        assert_same(g["new_obs"], w["new_obs"], f"new_obs at step {t}")
-        assert_same(g["rewards"], w["rewards"], f"callback rewards at step {t}")
-        assert_same(g["infos"], w["infos"], f"infos at step {t}")
-        assert g["num_timesteps"] == w["num_timesteps"]
-    assert got_extra["callback"].rollout_ends == want_extra["callback"].rollout_ends
-    for key in ("n_calls", "episode_num", "exploration_rate", "last_episode_starts"):
-        if key in want_extra:
-            np.testing.assert_array_equal(got_extra[key], want_extra[key], err_msg=key)
-    for name, value in want_extra["state"].items():
-        th.testing.assert_close(got_extra["state"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # -- the deployable wrappers -----------------------------------------------------------------------
@@ -453,11 +321,11 @@ def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ou
     Monitor's episode stats all equal SB3's own collect_rollouts (same seeds, same policy)."""
     kwargs = dict(policy=ObsSeededPolicy, n_steps=48, **kwargs)
     env_kwargs = dict(max_episode_steps=25)
-    reference = _first_segments(sb3_class, _dummy_env("CartPole-v1", **env_kwargs), 2, **kwargs)
-    env = _cluster_env("CartPole-v1", **env_kwargs)
+    reference = first_segments(sb3_class, dummy_vec_env("CartPole-v1", **env_kwargs), 2, **kwargs)
+    env = cluster_vec_env("CartPole-v1", **env_kwargs)
     try:
-        ours = _first_segments(ours_class, env, 2, **kwargs)
-        _assert_same_collection(ours, reference)
+        ours = first_segments(ours_class, env, 2, **kwargs)
+        assert_same_collection(ours, reference)
         model, segments, _ = ours
         infos = [info for step in ours[2]["callback"].steps for info in step["infos"]]
         assert sum(info["TimeLimit.truncated"] for info in infos) >= 4, "the run must truncate episodes"
@@ -476,7 +344,7 @@ def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ou
 def test_stale_segments_are_weighted_to_the_learners_policy(algorithm):
     """With the workers' weights stale (never synced), the buffer holds the learner's log-probs and
     advantages weighted by pi_learner / pi_workers, truncated at max_behaviour_weight (1.1 here)."""
-    env = _cluster_env("CartPole-v1")
+    env = cluster_vec_env("CartPole-v1")
     try:
         model = algorithm(
             "MlpPolicy", env, seed=0, device="cpu", n_steps=32, max_behaviour_weight=1.1, learning_rate=3e-3
@@ -510,14 +378,14 @@ def test_ppo_box_actions_clipped_and_bootstrapped_like_sb3():
     # in the last bit, and the dynamics then drift apart slightly.
     kwargs = dict(policy=ObsSeededPolicy, n_steps=40, batch_size=60, n_epochs=1, policy_kwargs={"log_std_init": 0.5})
     env_kwargs = dict(max_episode_steps=30)
-    reference = _first_segments(sb3.PPO, _dummy_env("Pendulum-v1", n_envs=3, **env_kwargs), 1, **kwargs)
+    reference = first_segments(sb3.PPO, dummy_vec_env("Pendulum-v1", n_envs=3, **env_kwargs), 1, **kwargs)
     # One worker: the policy's torch forward on a worker's block and on SB3's batch give the same bits
     # when the batches have the same size; on some CPUs (2026-12-07's CI machine) a block of 2 and one
     # of 1 gave actions a few float32 ulps off SB3's batch of 3, kernels being chosen by batch size.
-    env = _cluster_env("Pendulum-v1", n_envs=3, num_workers=1, **env_kwargs)
+    env = cluster_vec_env("Pendulum-v1", n_envs=3, num_workers=1, **env_kwargs)
     try:
-        ours = _first_segments(PPO, env, 1, **kwargs)
-        _assert_same_collection(ours, reference)
+        ours = first_segments(PPO, env, 1, **kwargs)
+        assert_same_collection(ours, reference)
         segment = ours[1][0]
         assert (np.abs(segment["actions"]) > 2.0).any(), "some actions must be outside the bounds (clipped for the env)"
         steps = ours[2]["callback"].steps
@@ -534,11 +402,11 @@ def test_dqn_replay_buffer_equals_sb3_collect_rollouts():
         exploration_initial_eps=0.0, exploration_final_eps=0.0,
     )
     env_kwargs = dict(max_episode_steps=10)
-    reference = _first_segments(sb3.DQN, _dummy_env("CartPole-v1", **env_kwargs), 3, **kwargs)
-    env = _cluster_env("CartPole-v1", **env_kwargs)
+    reference = first_segments(sb3.DQN, dummy_vec_env("CartPole-v1", **env_kwargs), 3, **kwargs)
+    env = cluster_vec_env("CartPole-v1", **env_kwargs)
     try:
-        ours = _first_segments(DQN, env, 3, **kwargs)
-        _assert_same_collection(ours, reference)
+        ours = first_segments(DQN, env, 3, **kwargs)
+        assert_same_collection(ours, reference)
         model = ours[0]
         assert ours[1][-1]["timeouts"].any() and ours[1][-1]["dones"].any()
         assert model.policy_sync.stats.updates == 2 == model.policy_sync.stats.syncs
@@ -563,19 +431,10 @@ DQN_STEPS = 35_000
 DQN_RETURN_BAR = 100
 
 
-def _eval_return(model, env_id: str = "CartPole-v1") -> float:
-    """Mean return of 10 deterministic episodes from the same start states every run (unseeded, the
-    mean of a half-trained policy moves a lot: Pendulum's by +-150)."""
-    evaluation = DummyVecEnv([lambda: gym.make(env_id)])
-    evaluation.seed(0)
-    mean, _ = evaluate_policy(model, evaluation, n_eval_episodes=10, warn=False)
-    return mean
-
-
 @pytest.mark.slow
 def test_ppo_learns_cartpole_syncing_every_update():
-    env = _cluster_env("CartPole-v1", n_envs=8)
-    logger, writer = _recording_logger()
+    env = cluster_vec_env("CartPole-v1", n_envs=8)
+    logger, writer = recording_logger()
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", **PPO_KWARGS)
         model.set_logger(logger)
@@ -591,15 +450,15 @@ def test_ppo_learns_cartpole_syncing_every_update():
         logged = set().union(*writer.dumps)
         assert AAPS_KEYS - {"aaps/divergence"} <= logged  # no divergence is measured in "always" mode
         assert "rollout/ep_rew_mean" in logged  # Monitor's episode stats reach the logger
-        assert _eval_return(model) >= RETURN_BAR
+        assert eval_return(model) >= RETURN_BAR
     finally:
         env.close()
 
 
 @pytest.mark.slow
 def test_ppo_aaps_with_overlap_learns_and_logs():
-    env = _cluster_env("CartPole-v1", n_envs=8)
-    logger, writer = _recording_logger()
+    env = cluster_vec_env("CartPole-v1", n_envs=8)
+    logger, writer = recording_logger()
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", overlap_collection=True, **PPO_KWARGS)
         model.set_logger(logger)
@@ -613,13 +472,13 @@ def test_ppo_aaps_with_overlap_learns_and_logs():
         logged = [dump for dump in writer.dumps if "aaps/syncs" in dump]
         assert len(logged) >= stats.updates - 1 and AAPS_KEYS <= set(logged[-1])
         assert logged[-1]["aaps/weight_bytes_sent"] == logged[-1]["aaps/syncs"] * env.pool.actors.weights_nbytes * 2
-        assert _eval_return(model) >= OVERLAP_RETURN_BAR
+        assert eval_return(model) >= OVERLAP_RETURN_BAR
     finally:
         env.close()
 
 
 def test_never_mode_keeps_the_deployed_weights(tmp_path):
-    env = _cluster_env("CartPole-v1", n_envs=4)
+    env = cluster_vec_env("CartPole-v1", n_envs=4)
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=32, batch_size=64, n_epochs=1)
         initial = model.policy_sync  # None before learning
@@ -647,7 +506,7 @@ def test_never_mode_keeps_the_deployed_weights(tmp_path):
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_weights_set_between_learn_calls_reach_the_workers_before_the_first_segment(mode):
     # SB3's own PPO acts with the weights set_parameters (or load) gave it, from the first step on.
-    env = _cluster_env("CartPole-v1", n_envs=2)
+    env = cluster_vec_env("CartPole-v1", n_envs=2)
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=16, batch_size=32, n_epochs=1, policy_kwargs={"net_arch": [8]})
         model.learn(32, callback=AAPSCallback(mode=mode))
@@ -675,7 +534,7 @@ class SetsWeightsAtTrainingStart(BaseCallback):
 
 
 def test_weights_a_callback_sets_at_training_start_reach_the_workers_in_any_mode():
-    env = _cluster_env("CartPole-v1", n_envs=2)
+    env = cluster_vec_env("CartPole-v1", n_envs=2)
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=16, batch_size=32, n_epochs=1, policy_kwargs={"net_arch": [8]})
         model.learn(32, callback=AAPSCallback(mode="never"))
@@ -704,7 +563,7 @@ def test_steps_taken_with_the_learners_weights_weigh_exactly_one(algorithm):
     # Syncing after every update without overlap is SB3's on-policy algorithm. The learner's
     # log-probabilities over the whole segment differ from the workers' in the last bits (float32
     # products depend on the batch size); that must not weight the advantages.
-    env = _cluster_env("CartPole-v1", n_envs=4)
+    env = cluster_vec_env("CartPole-v1", n_envs=4)
     try:
         model = algorithm("MlpPolicy", env, seed=0, device="cpu", n_steps=64)
         recorded = BehaviourWeights()
@@ -719,7 +578,7 @@ def test_steps_taken_with_the_learners_weights_weigh_exactly_one(algorithm):
 def test_an_always_learn_after_a_never_learn_acts_with_the_current_weights():
     # "never" leaves the trained weights unpublished; the next learn() syncs every update again,
     # and SB3 acts with the model's current weights from its first step on.
-    env = _cluster_env("CartPole-v1", n_envs=4)
+    env = cluster_vec_env("CartPole-v1", n_envs=4)
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=32, batch_size=64, n_epochs=2)
         model.learn(32 * 4 * 3, callback=AAPSCallback(mode="never"))
@@ -744,7 +603,7 @@ def _single_action_ppo(env: ClusterVecEnv, action: int, seed: int) -> PPO:
 
 def test_models_taking_turns_on_one_env_each_act_with_their_own_policy():
     # With SB3, any number of models can learn on one VecEnv in turn; each acts with its own policy.
-    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=1)
+    env = cluster_vec_env("CartPole-v1", n_envs=2, num_workers=1)
     try:
         first, second = _single_action_ppo(env, 0, seed=0), _single_action_ppo(env, 1, seed=1)
         first.learn(32)
@@ -781,7 +640,7 @@ def _env_obs(env: ClusterVecEnv) -> np.ndarray:
 
 
 def test_stopping_or_failing_mid_learn_leaves_env_and_model_consistent():
-    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=1)
+    env = cluster_vec_env("CartPole-v1", n_envs=2, num_workers=1)
     try:
         model = PPO("MlpPolicy", env, n_steps=16, batch_size=32, n_epochs=1, seed=0, device="cpu", overlap_collection=True)
         # A callback stopping mid-segment: SB3 counts the steps up to there; the model's last
@@ -802,6 +661,7 @@ def test_stopping_or_failing_mid_learn_leaves_env_and_model_consistent():
         env.close()
 
 
+@pytest.mark.slow
 def test_a_worker_lost_mid_learn_is_replaced_and_its_envs_start_episodes(tmp_path):
     env_fns = [functools.partial(gym.make, "CartPole-v1")] * 3
     env_fns.append(functools.partial(lost_once, str(tmp_path / "built"), "killed", 12))  # in the second segment
@@ -834,8 +694,8 @@ def test_an_env_error_in_a_segment_started_ahead_and_never_used_is_raised():
 
 @pytest.mark.slow
 def test_dqn_learns_cartpole_with_aaps():
-    env = _cluster_env("CartPole-v1", n_envs=4)
-    logger, writer = _recording_logger()
+    env = cluster_vec_env("CartPole-v1", n_envs=4)
+    logger, writer = recording_logger()
     try:
         model = DQN(
             "MlpPolicy", env, learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1000,
@@ -852,11 +712,12 @@ def test_dqn_learns_cartpole_with_aaps():
         logged = set().union(*writer.dumps)
         assert AAPS_KEYS <= logged and "rollout/exploration_rate" in logged and "rollout/ep_rew_mean" in logged
         assert model.exploration_rate == pytest.approx(0.04)
-        assert _eval_return(model) >= DQN_RETURN_BAR
+        assert eval_return(model) >= DQN_RETURN_BAR
     finally:
         env.close()
 
 
+@pytest.mark.slow
 def test_workers_start_torch_when_the_algorithm_is_made():
     """Deployment imports torch on the workers: it starts when the algorithm is made (overlapping the
     learner building its policy), not inside the first learn()."""
@@ -890,7 +751,7 @@ def test_overlapped_learning_keeps_torch_off_the_workers_cores():
             self.seen.add(th.get_num_threads())
             return True
 
-    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=2)
+    env = cluster_vec_env("CartPole-v1", n_envs=2, num_workers=2)
     threads = th.get_num_threads()
     try:
         assert env.pool.workers_on_this_host == 2
@@ -937,7 +798,7 @@ def test_learner_gets_its_threads_back_once_the_workers_wait_for_it(monkeypatch)
 
 
 def test_clear_errors():
-    env = _cluster_env("CartPole-v1", n_envs=2, num_workers=1)
+    env = cluster_vec_env("CartPole-v1", n_envs=2, num_workers=1)
     try:
         with pytest.raises(ValueError, match="VecNormalize.*bypassed"):
             PPO("MlpPolicy", VecNormalize(env))
@@ -945,7 +806,7 @@ def test_clear_errors():
             PPO("MlpPolicy", DummyVecEnv([lambda: gym.make("CartPole-v1")]))
         with pytest.raises(TypeError, match="ClusterVecEnv"):
             DQN("MlpPolicy", "CartPole-v1")
-        pendulum = _cluster_env("Pendulum-v1", n_envs=1, num_workers=1)
+        pendulum = cluster_vec_env("Pendulum-v1", n_envs=1, num_workers=1)
         with pytest.raises(ValueError, match="gSDE"):
             PPO("MlpPolicy", pendulum, use_sde=True)
         pendulum.close()

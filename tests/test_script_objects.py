@@ -17,7 +17,7 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "user_objects.py")
 
 
-@pytest.mark.parametrize("backend", ["local", "mpi"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.slow)])
 def test_objects_of_the_users_script_reach_the_envs(backend):
     pytest.importorskip("stable_baselines3")
     if backend == "mpi":

@@ -14,11 +14,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers import process_ended, wait_until_ended
 
 try:
     import mpi4py  # noqa: F401
@@ -113,6 +113,7 @@ def _user_project(root: Path) -> Path:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
 def test_a_projects_own_tests_package_resolves_on_the_workers(tmp_path, backend):
     script = _user_project(tmp_path / "project")
@@ -190,6 +191,7 @@ def _warning_script(root: Path) -> Path:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
 def test_warning_filters_reach_the_envs_set_in_the_script_or_by_flags(tmp_path, backend):
     script, options = _warning_script(tmp_path), json.dumps(BACKENDS[backend])
@@ -233,6 +235,7 @@ def test_workers_run_with_the_learners_interpreter_flags(tmp_path):
 # -- 3. no ResourceWarning from ClusterEnv ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
 def test_no_resource_warning_under_dev_mode(tmp_path, backend):
     script = write(
@@ -318,25 +321,7 @@ def _helper_script(root: Path) -> Path:
     )
 
 
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _wait_gone(pids: list[int], seconds: float) -> list[int]:
-    """Those of ``pids`` still alive after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _alive(pids)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("learner_signal", [signal.SIGKILL, signal.SIGTERM])
 @pytest.mark.parametrize("backend", backend_params(WORKER_BACKENDS))
 def test_helper_processes_die_when_a_worker_and_then_the_learner_are_killed(tmp_path, backend, learner_signal):
@@ -354,12 +339,12 @@ def test_helper_processes_die_when_a_worker_and_then_the_learner_are_killed(tmp_
     try:
         started = json.loads(learner.stdout.readline())
         helpers = started["helpers"]
-        assert len(helpers) == 4 and _alive(helpers) == helpers
+        assert len(helpers) == 4 and not any(process_ended(pid) for pid in helpers)
         os.kill(started["workers"][0], signal.SIGKILL)
-        time.sleep(0.2)
+        assert wait_until_ended(started["workers"][:1])
         learner.send_signal(learner_signal)
         learner.wait(10)
-        assert _wait_gone(helpers, 15.0) == []
+        assert wait_until_ended(helpers, within=15.0), [pid for pid in helpers if not process_ended(pid)]
     finally:
         if learner.poll() is None:
             learner.kill()
@@ -408,6 +393,7 @@ def _closure_script(root: Path) -> Path:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["one factory", "factories sharing an array"])
 @pytest.mark.parametrize(
     "options",
@@ -428,6 +414,7 @@ def test_a_large_closure_is_held_once_by_the_learner_and_each_worker(tmp_path, o
 # -- 6. silent or inconsistent edges ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_close_cut_short_by_a_hanging_env_close_names_env_worker_and_time(tmp_path):
     script = write(
         tmp_path / "hang.py",
@@ -468,6 +455,7 @@ def test_a_close_cut_short_by_a_hanging_env_close_names_env_worker_and_time(tmp_
     assert lines[1].endswith("s; its worker was ended"), lines
 
 
+@pytest.mark.slow
 def test_backend_options_reach_the_backend_from_every_adapter():
     import gymnasium as gym
 
@@ -484,6 +472,7 @@ def test_backend_options_reach_the_backend_from_every_adapter():
             adapter([make] * 2, fork_server=True, backend_options={"fork_server": False})
 
 
+@pytest.mark.slow
 def test_the_learner_threads_warning_is_one_line_once_per_process(tmp_path):
     script = write(
         tmp_path / "threads.py",

@@ -15,7 +15,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from tests.compare import assert_same
+from tests.helpers import assert_same
+
+pytestmark = pytest.mark.slow  # thousands of Atari and MuJoCo steps
 
 GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 HALF_CHEETAH = "HalfCheetah-v5" if GYMNASIUM_1 else "HalfCheetah-v4"

@@ -52,7 +52,7 @@ def signal_file(name: str) -> str:
 
 
 def contract(timeout: float) -> None:
-    from tests.test_sb3_contract import run_side_by_side
+    from tests.helpers import run_side_by_side
 
     def report_hosts(env) -> None:
         print("HOSTS", *env.pool._transport.hosts, flush=True)

@@ -29,7 +29,7 @@ from tests.envs import make_dict_env  # noqa: E402
 
 
 def side_by_side(env_fns, **options) -> None:
-    from tests.test_sb3_contract import run_side_by_side
+    from tests.helpers import run_side_by_side
 
     run_side_by_side(env_fns, backend="mpi", num_workers=2, **options)
 
@@ -37,9 +37,10 @@ def side_by_side(env_fns, **options) -> None:
 def vector() -> None:
     """ClusterVectorEnv(backend="mpi") against SyncVectorEnv (the CleanRL contract), 2000 steps."""
     from clusterenv_cleanrl import ClusterVectorEnv
-    from tests.test_cleanrl_vector_env import make_cartpole, run_and_compare
+    from tests.envs import cartpole_with_statistics
+    from tests.helpers import run_and_compare
 
-    env_fns = [make_cartpole] * 4
+    env_fns = [functools.partial(cartpole_with_statistics, max_episode_steps=40)] * 4
     cluster = ClusterVectorEnv(env_fns, backend="mpi", num_workers=2)  # first: SPMD worker ranks stop here
     sync = gym.vector.SyncVectorEnv(env_fns)
     with cluster:

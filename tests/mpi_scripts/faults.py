@@ -259,7 +259,7 @@ def ctrl_c_during_close(where: str) -> None:
 
     from clusterenv_core.transports.mpi import learner
     from tests.envs import SlowCloseEnv
-    from tests.interrupts import interrupt_soon
+    from tests.helpers import interrupt_soon
 
     with make_pool() as pool:  # MPI and its process manager start with the first pool
         pool.reset(seeds=[0, 1, 2, 3])

@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tests.compare import assert_same  # noqa: E402
+from tests.helpers import assert_same  # noqa: E402
 
 
 class MainEnv(gym.Env):
