@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+from gymnasium import spaces  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from gymnasium import spaces  # noqa: E402
 
 from clusterenv_cleanrl import ClusterVectorEnv  # noqa: E402
 from tests.envs import FuzzEnv  # noqa: E402
