@@ -257,7 +257,7 @@ def ctrl_c_during_close(where: str) -> None:
     and leaves no rank running, no thread, no descriptor; a second close() does nothing."""
     import threading
 
-    from clusterenv_core.transports.mpi import learner
+    from clusterenv_core.transports.mpi import parting
     from tests.envs import SlowCloseEnv
     from tests.helpers import interrupt_soon
 
@@ -278,14 +278,14 @@ def ctrl_c_during_close(where: str) -> None:
         transport.comm = _InterruptedDisconnect(transport.comm)
     else:  # waiting for the ranks to exit: they disconnected and are finalizing
 
-        def interrupted_once_disconnected(pid: int, pid_alive=learner.pid_alive) -> bool:
+        def interrupted_once_disconnected(pid: int, pid_alive=parting.pid_alive) -> bool:
             if not transport.comm and not interrupted:
                 interrupted.append(True)
                 raise KeyboardInterrupt
             return pid_alive(pid)
 
         interrupted: list[bool] = []
-        learner.pid_alive = interrupted_once_disconnected
+        parting.pid_alive = interrupted_once_disconnected
     started = time.monotonic()
     try:
         pool.close()
@@ -310,25 +310,26 @@ def second_ctrl_c_during_close() -> None:
     gives them their last second: the ranks that did not exit are killed all the same, and the
     KeyboardInterrupt comes once that is done. The ranks are stopped (SIGSTOP) at the first Ctrl-C,
     so that they are still there when the last second is over, as ranks slow to finalize would be."""
+    from clusterenv_core.transports.mpi import learner
     from clusterenv_core.transports.mpi.runtime import State
 
     pool = make_pool()
     pool.reset(seeds=[0, 1, 2, 3])
     transport = pool._transport
     pids = list(transport.pids)
-    wait_for_exits = transport._wait_for_exits
+    wait_for_exits = learner.wait_for_exits
     ctrl_c = []
 
-    def interrupted_wait_for_exits(deadline: float) -> None:
+    def interrupted_wait_for_exits(hosts: list[str], pids_of_workers: list[int], deadline: float) -> None:
         if len(ctrl_c) < 2:
             if not ctrl_c:
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
             ctrl_c.append(True)
             signal.raise_signal(signal.SIGINT)
-        wait_for_exits(deadline)
+        wait_for_exits(hosts, pids_of_workers, deadline)
 
-    transport._wait_for_exits = interrupted_wait_for_exits
+    learner.wait_for_exits = interrupted_wait_for_exits
     started = time.monotonic()
     try:
         pool.close()

@@ -6,13 +6,10 @@ import functools
 import os
 import pickle
 import secrets
-import signal
 import socket
-import struct
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -32,8 +29,9 @@ from clusterenv_core.transports.mpi.heartbeat import (
     threads_allowed,
 )
 from clusterenv_core.transports.mpi.launcher import process_manager
+from clusterenv_core.transports.mpi.parting import abort_at_exit, kill_spawned, wait_for_exits
 from clusterenv_core.transports.mpi.runtime import HOST, State, mpi, pid_alive, pm_exited, unlink_shared_memory_names
-from clusterenv_core.transports.mpi.waiting import MIN_NAP, Doorbell, PeerGone, Probe, poll
+from clusterenv_core.transports.mpi.waiting import MIN_NAP, Doorbell, PeerGone, Probe, accept_doorbells, poll
 from clusterenv_core.transports.mpi.wire import (
     ALIGN,
     HEADER,
@@ -301,20 +299,8 @@ class MPITransport(Transport):
                 raise WorkerTimeoutError(f"worker {worker} (MPI rank {rank}) did not finish starting within {timeout:g} s")
             expected += bool(self._receive_pickled(probe))
         by_pid = {pid: worker for worker, pid in enumerate(self.pids) if self.hosts[worker] == HOST}
-        listener.settimeout(timeout)
-        while expected > 0:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return  # those workers poll instead
-            credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid = struct.unpack("3i", credentials)[0]
-            worker = by_pid.pop(pid, None)
-            if worker is None:  # not one of ours
-                sock.close()
-                continue
-            self._bells[worker] = Doorbell(sock, sleep_in_recv=False)
-            expected -= 1
+        for worker, bell in accept_doorbells(listener, by_pid, expected, timeout).items():
+            self._bells[worker] = bell
 
     # -- control messages -------------------------------------------------------------------------
 
@@ -579,14 +565,14 @@ class MPITransport(Transport):
         unclosed = [worker for worker in range(self.num_workers) if worker not in closed]
         if self.mode == "spawn":
             if unclosed:
-                self._kill_spawned(unclosed)  # stuck or lost ranks; MPICH then ends the rest of the spawn
+                kill_spawned(self.comm, self.hosts, self.pids, unclosed)  # stuck or lost ranks; MPICH then ends the rest of the spawn
             else:
                 # Every worker answered its close request and disconnects too (a collective call).
                 self.comm.Disconnect()
             # Closed workers finalize and exit at once; wait for those on this host.
-            self._wait_for_exits(deadline)
+            wait_for_exits(self.hosts, self.pids, deadline)
         elif unclosed:
-            self._abort_at_exit(unclosed)
+            abort_at_exit(self.ranks, unclosed)
 
     def _release(self, parted: bool, closed: set[int]) -> None:
         """Free every thread, MPI object, descriptor and buffer of the transport. Not ``parted``
@@ -620,41 +606,8 @@ class MPITransport(Transport):
             if self.comm and not unclosed:
                 self.comm.Disconnect()  # they answered and disconnect at once: the one wait not cut short
             if self.comm:
-                self._kill_spawned(unclosed)
-            self._wait_for_exits(time.monotonic() + _EXIT_GRACE)
-            self._kill_spawned(range(self.num_workers))  # those on this host still running
+                kill_spawned(self.comm, self.hosts, self.pids, unclosed)
+            wait_for_exits(self.hosts, self.pids, time.monotonic() + _EXIT_GRACE)
+            kill_spawned(self.comm, self.hosts, self.pids, range(self.num_workers))  # those on this host still running
         elif unclosed:
-            self._abort_at_exit(unclosed)
-
-    def _kill_spawned(self, workers: Iterable[int]) -> None:
-        """Kill those of the spawned ``workers`` on this host that still run, and let go of the
-        communicator: MPICH's process manager then ends the others, and itself."""
-        killed = False
-        for worker in workers:
-            if self.hosts[worker] == HOST and pid_alive(self.pids[worker]):
-                try:
-                    os.kill(self.pids[worker], signal.SIGKILL)
-                    killed = True
-                except OSError:
-                    pass
-        if not killed and not self.comm:
-            return  # they disconnected and exited: the process manager lives on
-        State.finalize_unsafe = True
-        if self.comm:
-            try:
-                self.comm.Free()
-            except Exception:
-                pass
-
-    def _wait_for_exits(self, deadline: float) -> None:
-        """Wait until the worker ranks on this host have exited, or ``deadline``."""
-        for worker in range(self.num_workers):
-            if self.hosts[worker] != HOST:
-                continue
-            while pid_alive(self.pids[worker]) and time.monotonic() < deadline:
-                time.sleep(0.01)
-
-    def _abort_at_exit(self, unclosed: list[int]) -> None:
-        # A world rank that did not close would keep MPI_Finalize waiting forever.
-        ranks = ", ".join(str(self.ranks[worker]) for worker in unclosed)
-        State.abort_at_exit = f"worker rank(s) {ranks} did not close"
+            abort_at_exit(self.ranks, unclosed)

@@ -191,3 +191,26 @@ class Probe:
     def __call__(self) -> bool:
         self.message = self.comm.Improbe(self.source, self.tag, self.status)
         return self.message is not None
+
+
+def accept_doorbells(
+    listener: socket.socket, by_pid: dict[int, Any], expected: int, timeout: float
+) -> dict[Any, Doorbell]:
+    """The learner's ends of the doorbells of ``expected`` peers connecting to ``listener``, each
+    known by its process id (``by_pid``: pid to peer); a connection from another process is
+    closed. Peers that do not connect within ``timeout`` poll instead."""
+    bells = {}
+    listener.settimeout(timeout)
+    while expected > 0:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            break
+        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        peer = by_pid.pop(struct.unpack("3i", credentials)[0], None)
+        if peer is None:  # not one of ours
+            sock.close()
+            continue
+        bells[peer] = Doorbell(sock, sleep_in_recv=False)
+        expected -= 1
+    return bells
