@@ -20,7 +20,15 @@ import pytest
 from clusterenv_cleanrl import ClusterVectorEnv
 from clusterenv_core import EnvError, EnvPool, EnvValueError
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import CallCounter, EchoActionEnv, FailingEnv, cartpole_with_statistics, make_cartpole, make_dict_env
+from tests.envs import (
+    CallCounter,
+    EchoActionEnv,
+    FailingEnv,
+    SuicidalEnv,
+    cartpole_with_statistics,
+    make_cartpole,
+    make_dict_env,
+)
 from tests.helpers import assert_same, descendants, run_and_compare, run_side_by_side, wait_until_ended
 from tests.test_action_forms import ACTION_SPACES, OTHER_DTYPES, _alternately_as
 from tests.test_async_batches import check_trajectories_match_envs_alone
@@ -222,3 +230,22 @@ def test_killed_learner_leaves_no_process(no_leaks, tmp_path):
     learner.wait()
     assert len(pids) >= 2 + 2 * 2
     assert wait_until_ended(pids, within=10), [pid for pid in pids if psutil.pid_exists(pid)]
+
+
+def _dies_at(die_at: int) -> gym.Env:
+    return SuicidalEnv(gym.make("CartPole-v1"), die_at=die_at)
+
+
+def test_a_lost_local_process_is_the_agents_error_naming_it(no_leaks):
+    env_fns = [make_cartpole] * 3 + [functools.partial(_dies_at, 2)]
+    with EnvPool(env_fns, num_workers=1, processes_per_worker=2) as pool:
+        pool.reset()
+        pool.step(np.zeros(4, np.int64))
+        with pytest.raises(EnvError, match="worker 1") as caught:
+            pool.step(np.zeros(4, np.int64))
+        error = caught.value
+        assert (error.env_index, error.worker_index) == (None, 0)
+        assert error.operation == "step in the node agent's local processes (numbered, as their envs, from env 0)"
+        assert error.exc_type == "clusterenv_core.errors.WorkerLostError"
+        with pytest.raises(EnvError, match="unusable|failed"):  # the agent lives on, its local pool does not
+            pool.step(np.zeros(4, np.int64))

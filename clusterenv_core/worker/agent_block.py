@@ -180,7 +180,8 @@ class AgentBlock:
         except EnvError as error:
             raise RelayedEnvFailure(error) from error
         except ClusterEnvError as error:  # a local process lost or silent, or the inner pool unusable since
-            raise RemoteFailure(None, f"{operation} in the node agent's local processes", error) from error
+            where = f"the node agent's local processes (numbered, as their envs, from env {self.first_index})"
+            raise RemoteFailure(None, f"{operation} in {where}", error) from error
         finally:
             for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
                 self.replaced.extend([self.first_index + slot] * (now - was))
