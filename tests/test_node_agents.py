@@ -29,7 +29,7 @@ from tests.envs import (
     make_cartpole,
     make_dict_env,
 )
-from tests.helpers import assert_same, descendants, run_and_compare, run_side_by_side, wait_until_ended
+from tests.helpers import assert_same, descendants, launch, run_and_compare, run_side_by_side, wait_until_ended
 from tests.test_action_forms import ACTION_SPACES, OTHER_DTYPES, _alternately_as
 from tests.test_async_batches import check_trajectories_match_envs_alone
 from tests.test_cleanrl_vector_env import TextObsEnv
@@ -109,9 +109,9 @@ def test_async_batches_give_each_env_its_trajectory_alone():
     check_trajectories_match_envs_alone(4, recvs=150, processes_per_worker=2)
 
 
-def test_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on():
+def check_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on(**options) -> None:
     env_fns = [make_cartpole] * 5 + [functools.partial(_failing_at, 3)] + [make_cartpole] * 2
-    with EnvPool(env_fns, num_workers=2, processes_per_worker=2) as pool:
+    with EnvPool(env_fns, num_workers=2, processes_per_worker=2, **options) as pool:
         pool.reset(seeds=list(range(8)))
         zeros = np.zeros(8, np.int64)
         pool.step(zeros)
@@ -127,6 +127,10 @@ def test_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on(
         result = pool.step(zeros)
         assert not result.terminated.any()
         assert pool.get_attr("fail_at", indices=[5]) == [3]
+
+
+def test_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on():
+    check_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on()
 
 
 def test_env_restarts_are_counted_as_on_a_flat_pool():
@@ -249,3 +253,22 @@ def test_a_lost_local_process_is_the_agents_error_naming_it(no_leaks):
         assert error.exc_type == "clusterenv_core.errors.WorkerLostError"
         with pytest.raises(EnvError, match="unusable|failed"):  # the agent lives on, its local pool does not
             pool.step(np.zeros(4, np.int64))
+
+
+# -- MPI: tests/mpi_scripts/node_agents.py -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_on_mpi_spawn_node_agents_are_the_baselines():
+    pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py")
+    code, output, _ = launch("spawn", "node_agents.py")
+    assert code == 0, output
+    for check in ("dummy even", "dummy uneven", "async trajectories", "env error"):
+        assert f"OK {check}" in output, output
+
+
+@pytest.mark.slow
+def test_on_an_spmd_launch_the_worker_ranks_refuse_node_agents():
+    pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py")
+    code, output, _ = launch("spmd", "node_agents.py", "spmd")
+    assert code == 0 and "OK spmd refused" in output, output
