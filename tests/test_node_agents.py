@@ -210,7 +210,10 @@ def test_close_leaves_nothing_running(no_leaks):
     assert wait_until_ended(list(started)), [psutil.Process(pid).cmdline() for pid in started if psutil.pid_exists(pid)]
 
 
-def test_killed_learner_leaves_no_process(no_leaks, tmp_path):
+@pytest.mark.parametrize("backend", ["local", pytest.param("mpi", marks=pytest.mark.slow)])
+def test_killed_learner_leaves_no_process(no_leaks, tmp_path, backend):
+    if backend == "mpi":
+        pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py")
     script = tmp_path / "learner.py"
     script.write_text(
         textwrap.dedent(
@@ -220,15 +223,18 @@ def test_killed_learner_leaves_no_process(no_leaks, tmp_path):
             import numpy as np, psutil
             from clusterenv_core import EnvPool
             from tests.envs import make_cartpole
-            pool = EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=2)
+            pool = EnvPool([make_cartpole] * 4, backend=BACKEND, num_workers=2, processes_per_worker=2)
             pool.reset()
             pool.step(np.zeros(4, np.int64))
             print(*[process.pid for process in psutil.Process().children(recursive=True)], flush=True)
             time.sleep(60)
             """
-        ).replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        )
+        .replace("ROOT", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        .replace("BACKEND", repr(backend))
     )
-    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    # A session of its own: MPICH's process manager ends whole process groups.
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     pids = [int(pid) for pid in learner.stdout.readline().split()]
     learner.kill()
     learner.wait()
