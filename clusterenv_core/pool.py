@@ -170,6 +170,7 @@ class EnvPool(NotCopyable):
                 interpreter=learner_interpreter,
                 registry=shipped_registry,
                 processes=self.processes_per_worker,
+                timeout=timeout,
             )
             for worker, block in enumerate(self.blocks)
         ]

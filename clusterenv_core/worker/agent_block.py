@@ -61,10 +61,17 @@ class AgentBlock:
     :param autoreset_mode: one of :data:`~clusterenv_core.protocol.AUTORESET_MODES`
     :param max_env_restarts: how many times one env that raises in ``step`` may be replaced (0: never)
     :param processes: the local processes to run the block on
+    :param timeout: seconds any wait for a local process may last (the learner's ``timeout``)
     """
 
     def __init__(
-        self, env_fns: list, first_index: int, autoreset_mode: str, max_env_restarts: int, processes: int
+        self,
+        env_fns: list,
+        first_index: int,
+        autoreset_mode: str,
+        max_env_restarts: int,
+        processes: int,
+        timeout: float,
     ) -> None:
         self.first_index = first_index
         self.replaced: list[int] = []  # env indices replaced in the current step
@@ -79,6 +86,7 @@ class AgentBlock:
                 env_fns,
                 backend="local",
                 num_workers=processes,
+                timeout=timeout,
                 autoreset_mode=autoreset_mode,
                 restart_failed_envs=max_env_restarts > 0,
                 max_restarts=max_env_restarts,

@@ -32,7 +32,7 @@ class Worker:
 
     :param connection: the worker side of the backend
     :param agent_block: makes the block of a node agent (``processes_per_worker`` > 1) from the
-        block's factories, first index, autoreset mode, env restarts allowed and processes: an
+        block's factories, first index, autoreset mode, env restarts allowed, processes and timeout: an
         :class:`~clusterenv_core.worker.agent_block.AgentBlock`, given by the worker program's entry
         (this module cannot import it: it imports the pool); ``None``: this worker runs none
     """
@@ -169,7 +169,12 @@ class Worker:
                 error = ValueError("processes_per_worker > 1 is not supported on this worker (an MPI SPMD rank) yet")
                 raise RemoteFailure(None, "building a node agent", error)
             self.block = self.agent_block(
-                env_fns, request.first_index, request.autoreset_mode, request.max_env_restarts, request.processes
+                env_fns,
+                request.first_index,
+                request.autoreset_mode,
+                request.max_env_restarts,
+                request.processes,
+                request.timeout,
             )
             return self.block.describe()
         self.block = EnvBlock(
