@@ -215,7 +215,7 @@ class EnvPool(NotCopyable):
         except BaseException:
             self.close()
             raise
-        warn_if_torch_threads_contend(self.workers_on_this_host)
+        warn_if_torch_threads_contend(self.workers_on_this_host * self.processes_per_worker)  # an agent's cores too
 
     @property
     def restarts(self) -> dict[str, int]:
