@@ -31,7 +31,7 @@ from tests.envs import (
 )
 from tests.helpers import assert_same, descendants, launch, run_and_compare, run_side_by_side, wait_until_ended
 from tests.test_action_forms import ACTION_SPACES, OTHER_DTYPES, _alternately_as
-from tests.test_async_batches import check_trajectories_match_envs_alone
+from tests.test_async_batches import check_full_batch_is_sync_vector_env, check_trajectories_match_envs_alone
 from tests.test_cleanrl_vector_env import TextObsEnv
 
 pytestmark = pytest.mark.timeout(180)
@@ -107,6 +107,11 @@ def test_envs_get_the_actions_and_dtypes_sync_vector_env_gives(name):
 
 def test_async_batches_give_each_env_its_trajectory_alone():
     check_trajectories_match_envs_alone(4, recvs=150, processes_per_worker=2)
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="next-step autoreset is gymnasium 1.x's SyncVectorEnv")
+def test_cleanrl_envpool_api_full_batches_are_sync_vector_env():
+    check_full_batch_is_sync_vector_env(steps=100, processes_per_worker=2)
 
 
 def check_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on(**options) -> None:
