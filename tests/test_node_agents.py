@@ -18,12 +18,13 @@ import psutil
 import pytest
 
 from clusterenv_cleanrl import ClusterVectorEnv
-from clusterenv_core import EnvError, EnvPool, EnvValueError
+from clusterenv_core import EnvError, EnvPool, EnvValueError, WorkerTimeoutError
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from tests.envs import (
     CallCounter,
     EchoActionEnv,
     FailingEnv,
+    HangingEnv,
     SuicidalEnv,
     cartpole_with_statistics,
     make_cartpole,
@@ -283,3 +284,20 @@ def test_on_an_spmd_launch_the_worker_ranks_refuse_node_agents():
     pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py")
     code, output, _ = launch("spmd", "node_agents.py", "spmd")
     assert code == 0 and "OK spmd refused" in output, output
+
+
+def _hangs_at(hang_at: int) -> gym.Env:
+    return HangingEnv(gym.make("CartPole-v1"), hang_at=hang_at)
+
+
+@pytest.mark.slow
+def test_a_local_process_stuck_in_an_env_ends_within_its_orphan_grace_once_its_agent_timed_out(no_leaks):
+    with EnvPool(
+        [make_cartpole] * 3 + [functools.partial(_hangs_at, 2)], num_workers=1, processes_per_worker=2, timeout=2
+    ) as pool:
+        pool.reset()
+        pool.step(np.zeros(4, np.int64))
+        started = descendants()
+        with pytest.raises(WorkerTimeoutError):
+            pool.step(np.zeros(4, np.int64))
+    assert wait_until_ended(list(started), within=10 + 5)  # the local backend's orphan_grace, and some
