@@ -37,28 +37,16 @@ import subprocess
 import sys
 import time
 
-import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmark_envs import NoopEnv
 
 from clusterenv_core import EnvPool  # noqa: E402
 
 NUM_ENVS = 32
 NUM_WORKERS = 2
-
-
-class NoopEnv(gym.Env):
-    """Returns at once: what remains of a step is the backend's round trip."""
-
-    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed=None, options=None):
-        return np.zeros(4, np.float32), {}
-
-    def step(self, action):
-        return np.zeros(4, np.float32), 0.0, False, False, {}
 
 
 def _cpu_seconds(pids: list[int]) -> float:

@@ -45,6 +45,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from benchmark_envs import BusyCartPole
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
 from clusterenv_cleanrl import ClusterVectorEnv
@@ -57,20 +58,6 @@ warnings.filterwarnings("ignore", category=LearnerThreadsWarning)
 HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
 HAVE_ENVPOOL = importlib.util.find_spec("envpool") is not None
 CORES = os.cpu_count() or 1
-
-
-class BusyCartPole(gym.Wrapper):
-    """CartPole whose step busy-waits ``busy_us`` microseconds."""
-
-    def __init__(self, busy_us: float = 200.0) -> None:
-        super().__init__(gym.make("CartPole-v1"))
-        self.busy_s = busy_us * 1e-6
-
-    def step(self, action):
-        end = time.perf_counter() + self.busy_s
-        while time.perf_counter() < end:
-            pass
-        return self.env.step(action)
 
 
 def make_pong() -> gym.Env:

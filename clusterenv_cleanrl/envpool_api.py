@@ -33,7 +33,7 @@ from clusterenv_cleanrl.batched_infos import batch_infos
 from clusterenv_cleanrl.vector_env import RESET_OMIT_IF_NONE
 from clusterenv_core import EnvPool
 from clusterenv_core.checks import check_int
-from clusterenv_core.pool import NotCopyable
+from clusterenv_core.not_copyable import NotCopyable
 
 
 def _copy(batch: Any) -> Any:

@@ -14,7 +14,7 @@ from gymnasium.vector.utils import concatenate
 
 from clusterenv_cleanrl.batched_infos import batch_infos
 from clusterenv_core import EnvPool, SpaceMismatchError
-from clusterenv_core.pool import NotCopyable
+from clusterenv_core.not_copyable import NotCopyable
 
 
 def _like(template: Any, batch: Any) -> Any:

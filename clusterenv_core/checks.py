@@ -81,3 +81,21 @@ def check_names(what: str, names: Any, allowed: tuple[str, ...]) -> tuple[str, .
     if unknown:
         raise ValueError(f"{what} may name only {allowed}, got {unknown!r}")
     return names
+
+
+def check_processes_per_worker(value: Any, smallest_block: int, refused: dict[str, bool]) -> int:
+    """``processes_per_worker`` as an int between 1 and the envs of the smallest block.
+
+    :param refused: the options not supported with node agents yet, each with whether it is set
+    :raises ValueError: out of range, or more than 1 with an option of ``refused`` set
+    """
+    value = check_int("processes_per_worker", value, minimum=1)
+    if value > smallest_block:
+        raise ValueError(
+            f"processes_per_worker={value} is more than the {smallest_block} env(s) of the smallest worker's "
+            "block: each local process needs at least one env"
+        )
+    for option, given in refused.items():
+        if value > 1 and given:
+            raise ValueError(f"{option} is not supported with processes_per_worker > 1 yet")
+    return value

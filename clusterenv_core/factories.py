@@ -53,6 +53,17 @@ def refuse_a_pool_built_by_a_worker_import() -> None:
     )
 
 
+def contiguous_blocks(num_envs: int, num_workers: int) -> list[range]:
+    """Contiguous blocks of env indices, the first ``num_envs % num_workers`` one env larger."""
+    size, extra = divmod(num_envs, num_workers)
+    blocks, start = [], 0
+    for worker in range(num_workers):
+        stop = start + size + (worker < extra)
+        blocks.append(range(start, stop))
+        start = stop
+    return blocks
+
+
 def pickle_factories(env_fns: list, blocks: list[range]) -> tuple[list[bytes], list[list[int]]]:
     """Per block, the factory fields of its :class:`~clusterenv_core.protocol.Init`: the block's
     distinct factory objects pickled together, and the factory of each of its envs.

@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clusterenv_core import protocol, registry
+from clusterenv_core import checks, protocol, registry
 from clusterenv_core.buffers import BatchSpec
 from clusterenv_core.channel import PoolState, WorkerChannel
 from clusterenv_core.checks import check_bool, check_indices, check_int, check_names, check_seconds, per_env_values
 from clusterenv_core.errors import ClusterEnvError
-from clusterenv_core.factories import pickle_factories, refuse_a_pool_built_by_a_worker_import
+from clusterenv_core.factories import contiguous_blocks, pickle_factories, refuse_a_pool_built_by_a_worker_import
 from clusterenv_core.interpreter import LearnerInterpreter
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
+from clusterenv_core.not_copyable import NotCopyable
 from clusterenv_core.protocol import AUTORESET_MODES
 from clusterenv_core.replies import START_TIMEOUT
 from clusterenv_core.results import ResetResult, StepResult
@@ -42,31 +43,15 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT = 60.0
 
 #: The keywords of :class:`EnvPool` that the adapters take as theirs too (:meth:`EnvPool.from_options`).
-POOL_OPTIONS = ("backend", "num_workers", "timeout", "restart_failed_envs", "restart_failed_workers", "max_restarts")
-
-
-def _blocks(num_envs: int, num_workers: int) -> list[range]:
-    """Contiguous blocks of env indices, the first ``num_envs % num_workers`` one env larger."""
-    size, extra = divmod(num_envs, num_workers)
-    blocks, start = [], 0
-    for worker in range(num_workers):
-        stop = start + size + (worker < extra)
-        blocks.append(range(start, stop))
-        start = stop
-    return blocks
-
-
-class NotCopyable:
-    """Refuses ``copy.copy``, ``copy.deepcopy`` and pickling with a ``TypeError`` that says why: what
-    holds a pool holds worker processes, which a copy could neither take along nor safely share
-    (closing one would stop the other's workers)."""
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        name = type(self).__name__
-        raise TypeError(
-            f"this {name} cannot be copied or pickled: its envs live in worker processes, which a copy could "
-            f"neither take along nor safely share; build another {name} from the env factories instead"
-        )
+POOL_OPTIONS = (
+    "backend",
+    "num_workers",
+    "timeout",
+    "restart_failed_envs",
+    "restart_failed_workers",
+    "max_restarts",
+    "processes_per_worker",
+)
 
 
 class EnvPool(NotCopyable):
@@ -89,6 +74,10 @@ class EnvPool(NotCopyable):
         :class:`~clusterenv_core.errors.WorkerLostError`
     :param max_restarts: how many times one env, or one worker, may be replaced; the next failure
         raises its error
+    :param processes_per_worker: each worker (an MPI rank, a local worker process) steps its block on
+        this many local processes (a node agent, :mod:`clusterenv_core.worker.agent_block`), answering
+        once per request for the block; at most the envs of the smallest block. Not supported with it
+        yet (``ValueError``): :meth:`deploy`, ``restart_failed_workers``, ``inline_worker``, MPI SPMD
     :param backend_options: keyword arguments of the backend's transport
     :param observation_spaces_fit: ``fit(space, first)``, whether an env's observation space may
         stand with the first env's (default: equality). Observations live in buffers laid out by the
@@ -117,6 +106,7 @@ class EnvPool(NotCopyable):
         restart_failed_envs: bool = False,
         restart_failed_workers: bool = False,
         max_restarts: int = 3,
+        processes_per_worker: int = 1,
         backend_options: dict[str, Any] | None = None,
         observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
     ) -> None:
@@ -151,7 +141,12 @@ class EnvPool(NotCopyable):
         self.restart_failed_workers = restart_failed_workers
         self.max_restarts = max_restarts
         #: the global env indices of each worker's block
-        self.blocks = _blocks(num_envs, num_workers)
+        self.blocks = contiguous_blocks(num_envs, num_workers)
+        self.processes_per_worker = checks.check_processes_per_worker(
+            processes_per_worker,
+            min(len(block) for block in self.blocks),
+            {"inline_worker=True": transport.has_inline_worker, "restart_failed_workers=True": restart_failed_workers},
+        )
         #: the worker of each env index
         self.worker_of = np.repeat(np.arange(num_workers), [len(block) for block in self.blocks])
         #: asynchronous stepping, once :meth:`async_batches` started it
@@ -174,6 +169,8 @@ class EnvPool(NotCopyable):
                 env_restarts=[0] * len(block),
                 interpreter=learner_interpreter,
                 registry=shipped_registry,
+                processes=self.processes_per_worker,
+                timeout=timeout,
             )
             for worker, block in enumerate(self.blocks)
         ]
@@ -218,7 +215,7 @@ class EnvPool(NotCopyable):
         except BaseException:
             self.close()
             raise
-        warn_if_torch_threads_contend(self.workers_on_this_host)
+        warn_if_torch_threads_contend(self.workers_on_this_host * self.processes_per_worker)  # an agent's cores too
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -443,6 +440,8 @@ class EnvPool(NotCopyable):
         """
         from clusterenv_core.actors import WorkerActors
 
+        if self.processes_per_worker > 1:
+            raise ValueError("worker-side inference (deploy) is not supported with processes_per_worker > 1 yet")
         if self._transport.has_inline_worker:
             # A policy copy sets torch's threads and seed for its whole process: the learner's, there.
             raise ValueError(

@@ -14,7 +14,7 @@ from stable_baselines3.common.preprocessing import check_for_nested_spaces
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
 from clusterenv_core import EnvPool
-from clusterenv_core.pool import NotCopyable
+from clusterenv_core.not_copyable import NotCopyable
 
 
 class ClusterVecEnv(NotCopyable, VecEnv):

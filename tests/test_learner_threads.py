@@ -62,6 +62,13 @@ def test_no_warning_within_the_cores_the_workers_leave(two_cores_two_threads, mo
     assert _make_pool(2) == []
 
 
+def test_a_node_agents_processes_count_as_workers(two_cores_two_threads, monkeypatch):
+    # 3 cores: one flat worker leaves the learner's 2 threads 2 cores, one agent of 2 processes 1.
+    monkeypatch.setattr(learner_threads.os, "cpu_count", lambda: 3)
+    assert not _make_pool(1)
+    assert len(_make_pool(1, processes_per_worker=2)) == 1
+
+
 def test_no_warning_without_torch_in_the_process(two_cores_two_threads, monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
     assert _make_pool(2) == []

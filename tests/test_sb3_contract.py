@@ -284,7 +284,7 @@ def test_saving_loading_and_evaluating_never_copy_or_pickle_the_env(tmp_path, mo
     from stable_baselines3.common.callbacks import EvalCallback
     from stable_baselines3.common.evaluation import evaluate_policy
 
-    from clusterenv_core.pool import NotCopyable
+    from clusterenv_core.not_copyable import NotCopyable
 
     asked = []  # also attempts whose TypeError something caught
     refuse = NotCopyable.__reduce_ex__

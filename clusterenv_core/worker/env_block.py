@@ -180,7 +180,7 @@ class EnvBlock:
         buffers.rewards[self.rows] = rewards
         buffers.terminated[self.rows] = terminations
         buffers.truncated[self.rows] = truncations
-        return _parts(
+        return step_parts(
             infos=infos, reset_infos=reset_infos, final_obs=final_obs, obs=pickled_obs, env_restarts=self.replaced
         )
 
@@ -286,7 +286,7 @@ class EnvBlock:
                 pickled_obs[index] = self.last_pickled_obs[slot] = obs
             if info or type(info) is not dict:
                 infos[index] = info
-        return _parts(infos=infos, obs=pickled_obs)
+        return step_parts(infos=infos, obs=pickled_obs)
 
     def call(
         self, name: str, args: tuple, kwargs: dict, slots: list[int], require_callable: bool, through_wrappers: bool
@@ -370,7 +370,7 @@ def _attribute(env: Any, name: str, through_wrappers: bool) -> Any:
     return getattr(env, name)
 
 
-def _parts(**parts: dict) -> dict | None:
+def step_parts(**parts: dict) -> dict | None:
     """Only the non-empty parts (a :data:`~clusterenv_core.protocol.StepParts`), or ``None``."""
     kept = {key: value for key, value in parts.items() if value}
     return kept or None

@@ -58,7 +58,15 @@ def run_worker_program(argv: list[str]) -> int:
             raise
         print(f"clusterenv worker: {_reason(error)}\n{USAGE}", file=sys.stderr)
         return 2
-    return serve(connection)
+    return serve(connection, agent_block=_agent_block)
+
+
+def _agent_block(*arguments: object) -> object:
+    """A node agent's :class:`~clusterenv_core.worker.agent_block.AgentBlock`, imported by the workers
+    that run one only: it imports the pool and the local backend, which the others never need."""
+    from clusterenv_core.worker.agent_block import AgentBlock
+
+    return AgentBlock(*arguments)
 
 
 def end_worker_program(code: int) -> NoReturn:

@@ -31,11 +31,16 @@ class Worker:
     """One worker process's state: its connection, and its block of envs once created.
 
     :param connection: the worker side of the backend
+    :param agent_block: makes the block of a node agent (``processes_per_worker`` > 1) from the
+        block's factories, first index, autoreset mode, env restarts allowed, processes and timeout: an
+        :class:`~clusterenv_core.worker.agent_block.AgentBlock`, given by the worker program's entry
+        (this module cannot import it: it imports the pool); ``None``: this worker runs none
     """
 
-    def __init__(self, connection: WorkerConnection) -> None:
+    def __init__(self, connection: WorkerConnection, agent_block: Callable[..., Any] | None = None) -> None:
         self.connection = connection
-        self.block: EnvBlock | None = None
+        self.agent_block = agent_block
+        self.block: Any = None  # an EnvBlock, or the agent_block's on a node agent
         self.first_index = 0  # global index of the block's first env
         self.host = None  # the deployed policy copy (clusterenv_core.inference.PolicyHost)
         self.rollout_regions: dict[str, Any] = {}  # mapped segment regions, by handle
@@ -159,6 +164,19 @@ class Worker:
             slot = 0 if max(request.env_factories) == 0 else None
             raise RemoteFailure(slot, "unpickling the env factory", error) from error
         env_fns = [factories[factory] for factory in request.env_factories]
+        if request.processes > 1:
+            if self.agent_block is None:
+                error = ValueError("processes_per_worker > 1 is not supported on this worker (an MPI SPMD rank) yet")
+                raise RemoteFailure(None, "building a node agent", error)
+            self.block = self.agent_block(
+                env_fns,
+                request.first_index,
+                request.autoreset_mode,
+                request.max_env_restarts,
+                request.processes,
+                request.timeout,
+            )
+            return self.block.describe()
         self.block = EnvBlock(
             env_fns,
             request.first_index,
@@ -277,9 +295,12 @@ HANDLERS: dict[type, Callable[[Worker, Any], Any]] = {
 }
 
 
-def serve(connection: WorkerConnection) -> int:
-    """Run a worker on ``connection`` until the learner says close or goes away; returns the exit code."""
-    worker = Worker(connection)
+def serve(connection: WorkerConnection, agent_block: Callable[..., Any] | None = None) -> int:
+    """Run a worker on ``connection`` until the learner says close or goes away; returns the exit code.
+
+    :param agent_block: what makes a node agent's block (see :class:`Worker`)
+    """
+    worker = Worker(connection, agent_block)
     try:
         return worker.serve()
     finally:

@@ -1,0 +1,208 @@
+"""AgentBlock: a node agent's envs, stepped on local processes of the worker's own.
+
+With ``processes_per_worker`` > 1 the worker (an MPI rank, or a local worker process) is a *node
+agent*: it runs its block on an inner :class:`~clusterenv_core.pool.EnvPool` of the local backend
+(``processes`` worker processes over shared memory) and answers the learner once per request for
+the whole block, so the learner's cost per step grows with the agents, not with the processes.
+
+It offers what :class:`~clusterenv_core.worker.serving.Worker` uses of an
+:class:`~clusterenv_core.worker.env_block.EnvBlock`. A step reads the action rows the learner wrote
+in the dtypes :meth:`set_action_dtypes` named (those an ``EnvBlock`` would give the envs), hands
+them to the inner pool as a batch in exactly those dtypes (its
+:meth:`~clusterenv_core.channel.WorkerChannel.set_batch_dtypes` then delivers the same ones: the
+delivered dtype of a delivered dtype is itself), and copies every result field of the inner buffers
+into the rows the learner reads. What does not fit the buffers comes back keyed by global env index.
+
+The inner pool's env indices are this block's slots. An env's failure in a local process is
+reported as the env's own (:class:`RelayedEnvFailure`); a lost or silent local process as the
+worker's failure. This module imports the pool, so :mod:`~clusterenv_core.worker.serving` never
+imports it: the worker program's entry hands it to :func:`~clusterenv_core.worker.serving.serve`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from clusterenv_core import protocol
+from clusterenv_core.errors import ClusterEnvError, EnvError
+from clusterenv_core.pool import EnvPool
+from clusterenv_core.worker.env_block import step_parts
+from clusterenv_core.worker.remote_failure import RemoteFailure
+
+
+class RelayedEnvFailure(RemoteFailure):
+    """An env's failure in one of the agent's local processes, replied as the env's own: its
+    exception type (so the learner raises ``EnvValueError`` for a ``ValueError``), message and
+    traceback, with the local process named in the operation.
+
+    :param error: the inner pool's error, whose ``env_index`` is the env's slot in this block
+    """
+
+    def __init__(self, error: EnvError) -> None:
+        operation = f"{error.operation} (in local process {error.worker_index} of the node agent)"
+        super().__init__(error.env_index, operation, error)
+
+    def reply(self, first_index: int, env_restarts: list[int] | None = None) -> tuple:
+        status, details = super().reply(first_index, env_restarts)
+        error = self.error
+        return status, details._replace(
+            exc_type=error.exc_type, message=error.remote_message, traceback=error.remote_traceback
+        )
+
+
+class AgentBlock:
+    """A worker's block of envs stepped on ``processes`` local processes (an inner local pool).
+
+    :param env_fns: factories of this block's environments
+    :param first_index: global index of the first of them
+    :param autoreset_mode: one of :data:`~clusterenv_core.protocol.AUTORESET_MODES`
+    :param max_env_restarts: how many times one env that raises in ``step`` may be replaced (0: never)
+    :param processes: the local processes to run the block on
+    :param timeout: seconds any wait for a local process may last (the learner's ``timeout``)
+    """
+
+    def __init__(
+        self,
+        env_fns: list,
+        first_index: int,
+        autoreset_mode: str,
+        max_env_restarts: int,
+        processes: int,
+        timeout: float,
+    ) -> None:
+        self.first_index = first_index
+        self.replaced: list[int] = []  # env indices replaced in the current step
+        self.replaced_in_segment: list[int] = []  # what serving reports of a failed rollout: agents collect none
+        self.pending_actions: list | None = None  # actions of spaces without buffers, sent before the step
+        self.buffers: Any = None
+        self._action_rows: list[np.ndarray] = []  # the block's rows of each action field
+        self._action_dtypes: list[np.dtype] = []
+        self._result_copies: list[tuple[np.ndarray, np.ndarray]] = []  # (the learner's rows, the inner field)
+        try:
+            self.pool = EnvPool(
+                env_fns,
+                backend="local",
+                num_workers=processes,
+                timeout=timeout,
+                autoreset_mode=autoreset_mode,
+                restart_failed_envs=max_env_restarts > 0,
+                max_restarts=max_env_restarts,
+                # The learner checks each env's space with its own test once they are described; here
+                # the buffers are laid out by the block's first env's, as the learner's by env 0's.
+                observation_spaces_fit=_any_space_fits,
+            )
+        except EnvError as error:
+            raise RelayedEnvFailure(error) from error
+        except Exception as error:
+            raise RemoteFailure(None, "starting the node agent's local processes", error) from error
+
+    def describe(self) -> protocol.BlockDescription:
+        """Spaces of every env and the metadata of the first, as :meth:`EnvBlock.describe` says them."""
+        pool = self.pool
+        spaces = [(observation_space, pool.action_space) for observation_space in pool.observation_spaces]
+        return protocol.BlockDescription(spaces, pool.metadata, pool.render_mode, pool.spec)
+
+    def attach(self, buffers: Any, row0: int) -> None:
+        self.buffers = buffers
+        rows = slice(row0, row0 + self.pool.num_envs)
+        inner = self.pool.buffers
+        names = [field.name for field in [*buffers.obs_layout.fields, *buffers.final_obs_layout.fields]]
+        self._result_copies = [
+            (buffers.arrays[name][rows], inner.arrays[name]) for name in [*names, "rewards", "terminated", "truncated"]
+        ]
+        self._action_rows = [array[rows] for array in buffers.actions]
+        if buffers.act_layout.buffered:
+            self.set_action_dtypes([field.dtype for field in buffers.act_layout.fields])
+
+    def set_action_dtypes(self, dtypes: list[np.dtype]) -> None:
+        """Give envs their actions in ``dtypes``, one per action field (the buffers' are wider)."""
+        self._action_dtypes = [np.dtype(dtype) for dtype in dtypes]
+
+    def step(self) -> dict | None:
+        """Step every env with its action row on the local processes; returns what could not go
+        through the buffers, keyed by global env index."""
+        pool, first = self.pool, self.first_index
+        if self.buffers.act_layout.buffered:
+            leaves = [rows.astype(dtype) for rows, dtype in zip(self._action_rows, self._action_dtypes)]
+            actions, per_env = self.buffers.act_layout.batch(leaves), False
+        else:
+            actions, per_env = self.pending_actions, True
+        result = self._run("step", lambda: pool.step(actions, per_env=per_env))
+        self._copy_results()
+        obs = {} if self.buffers.obs_layout.buffered else {first + slot: obs for slot, obs in enumerate(result.obs)}
+        return step_parts(
+            infos=_shifted(result.infos, first),
+            reset_infos=_shifted(result.reset_infos, first),
+            final_obs=_shifted(result.pickled_final_obs, first),
+            obs=obs,
+            env_restarts=self.replaced,
+        )
+
+    def reset(self, seeds: list, options: list, mask: list[bool] | None, omit_if_none: tuple[str, ...]) -> dict | None:
+        """Reset the envs selected by ``mask`` (all when ``None``), as :meth:`EnvBlock.reset` does."""
+        inner_mask = None if mask is None else np.array(mask, dtype=bool)
+        result = self._run("reset", lambda: self.pool.reset(seeds, options, inner_mask, omit_if_none))
+        self._copy_results()
+        obs = {}
+        if not self.buffers.obs_layout.buffered:
+            obs = {
+                self.first_index + slot: result.obs[slot]
+                for slot in range(self.pool.num_envs)
+                if mask is None or mask[slot]
+            }
+        return step_parts(infos=_shifted(result.infos, self.first_index), obs=obs)
+
+    def call(
+        self, name: str, args: tuple, kwargs: dict, slots: list[int], require_callable: bool, through_wrappers: bool
+    ) -> list:
+        return self._run(
+            f"call {name}", lambda: self.pool.call(name, args, kwargs, slots, require_callable, through_wrappers)
+        )
+
+    def get_attr(self, name: str, slots: list[int], through_wrappers: bool) -> list:
+        return self._run(f"get_attr {name}", lambda: self.pool.get_attr(name, slots, through_wrappers))
+
+    def set_attr(self, name: str, values: list, slots: list[int], through_wrappers: bool) -> None:
+        self._run(f"set_attr {name}", lambda: self.pool.set_attr(name, values, slots, through_wrappers))
+
+    def is_wrapped(self, wrapper_class: type, slots: list[int]) -> list[bool]:
+        return self._run("env_is_wrapped", lambda: self.pool.env_is_wrapped(wrapper_class, slots))
+
+    def close(self, starting: Callable[[int], None] | None = None) -> None:
+        """Close the inner pool: every env, then the local processes; the first env's error raised.
+
+        :param starting: unused: the local processes close their envs at once, so no env is the one closing
+        """
+        self._run("close", self.pool.close)
+
+    def _run(self, operation: str, call: Callable[[], Any]) -> Any:
+        """``call()`` on the inner pool, its failures turned into the worker's, and the envs it
+        replaced noted in :attr:`replaced` (also when it failed)."""
+        before = list(self.pool.env_restarts)
+        self.replaced = []
+        try:
+            return call()
+        except EnvError as error:
+            raise RelayedEnvFailure(error) from error
+        except ClusterEnvError as error:  # a local process lost or silent, or the inner pool unusable since
+            where = f"the node agent's local processes (numbered, as their envs, from env {self.first_index})"
+            raise RemoteFailure(None, f"{operation} in {where}", error) from error
+        finally:
+            for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
+                self.replaced.extend([self.first_index + slot] * (now - was))
+
+    def _copy_results(self) -> None:
+        for rows, inner in self._result_copies:
+            rows[...] = inner
+
+
+def _any_space_fits(space: Any, first: Any) -> bool:
+    return True
+
+
+def _shifted(by_slot: dict[int, Any], first_index: int) -> dict[int, Any]:
+    """``by_slot`` keyed by global env index instead."""
+    return {first_index + slot: value for slot, value in by_slot.items()}
