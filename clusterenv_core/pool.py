@@ -75,7 +75,7 @@ class EnvPool(NotCopyable):
     :param max_restarts: how many times one env, or one worker, may be replaced; the next failure
         raises its error
     :param processes_per_worker: each worker (an MPI rank, a local worker process) steps its block on
-        this many local processes (a node agent, :mod:`clusterenv_core.worker.agent_block`), answering
+        this many local processes (a node agent, :mod:`clusterenv_core.node_agent`), answering
         once per request for the block; at most the envs of the smallest block. Not supported with it
         yet (``ValueError``): :meth:`deploy`, ``restart_failed_workers``, ``inline_worker``, MPI SPMD
     :param backend_options: keyword arguments of the backend's transport

@@ -83,7 +83,7 @@ class Init(Request):
     env_restarts: list[int]  # replacements of each env of the block so far (a budget carried over)
     interpreter: Any  # the learner's import path, module files, warning filters (interpreter.LearnerInterpreter)
     registry: list  # the learner's env registry (clusterenv_core.registry.ShippedSpec)
-    processes: int  # local processes the worker steps its block on (>1: a node agent, worker/agent_block.py)
+    processes: int  # local processes the worker steps its block on (>1: a node agent, node_agent.py)
     timeout: float  # the pool's: a node agent waits for its local processes as long as the learner for it
 
 

@@ -62,9 +62,9 @@ def run_worker_program(argv: list[str]) -> int:
 
 
 def _agent_block(*arguments: object) -> object:
-    """A node agent's :class:`~clusterenv_core.worker.agent_block.AgentBlock`, imported by the workers
+    """A node agent's :class:`~clusterenv_core.node_agent.AgentBlock`, imported by the workers
     that run one only: it imports the pool and the local backend, which the others never need."""
-    from clusterenv_core.worker.agent_block import AgentBlock
+    from clusterenv_core.node_agent import AgentBlock
 
     return AgentBlock(*arguments)
 

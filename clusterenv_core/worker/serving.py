@@ -33,7 +33,7 @@ class Worker:
     :param connection: the worker side of the backend
     :param agent_block: makes the block of a node agent (``processes_per_worker`` > 1) from the
         block's factories, first index, autoreset mode, env restarts allowed, processes and timeout: an
-        :class:`~clusterenv_core.worker.agent_block.AgentBlock`, given by the worker program's entry
+        :class:`~clusterenv_core.node_agent.AgentBlock`, given by the worker program's entry
         (this module cannot import it: it imports the pool); ``None``: this worker runs none
     """
 
