@@ -879,9 +879,11 @@ def test_keyboard_interrupt_during_step_then_resume_or_close(no_leaks, tmp_path)
     stepping = str(tmp_path / "stepping")
     pool = EnvPool([functools.partial(SlowCartPole, seconds=1.5, stepping=stepping)] * 2, num_workers=2)
     pool.reset(seeds=[0, 1])
-    interrupt_at_events(stepping, 2)
+    pool.step_async(np.zeros(2, np.int64))
+    wait_for_events(stepping, 2)  # both envs are in their 1.5 s step
+    interrupt_soon(0.2)  # Ctrl-C lands in the wait, with 1.3 s to spare
     with pytest.raises(KeyboardInterrupt):
-        _step_zeros(pool)
+        pool.step_wait()
     result = pool.step_wait()  # the interrupted step is still pending and completes
     assert result.rewards.tolist() == [1.0, 1.0]
     interrupt_at_events(stepping, 4)
