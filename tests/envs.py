@@ -568,6 +568,7 @@ class FuzzEnv(gym.Env):
         self.observation_space = copy.deepcopy(observation_space)
         self.action_space = copy.deepcopy(action_space)
         self.terminate_p, self.max_steps, self.info_kind = terminate_p, max_steps, info_kind
+        self.check_action = True  # an action outside the space fails the step, on both sides alike
         self.t = 0
 
     def _info(self) -> dict:

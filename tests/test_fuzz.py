@@ -139,7 +139,7 @@ def same_outcome(actual_call, expected_call, what: str):
     return expected
 
 
-def check_vec_env(scenario: dict, backend: str = "local") -> None:
+def check_vec_env(scenario: dict, backend: str = "local", processes_per_worker: int = 1) -> None:
     """ClusterVecEnv and DummyVecEnv: the same results, step by step, for per-env actions."""
     pytest.importorskip("stable_baselines3")
     from stable_baselines3.common.vec_env import DummyVecEnv
@@ -148,7 +148,9 @@ def check_vec_env(scenario: dict, backend: str = "local") -> None:
 
     env_fns = _env_fns(scenario)
     dummy = DummyVecEnv(env_fns)
-    cluster = ClusterVecEnv(env_fns, backend=backend, num_workers=_workers(scenario))
+    cluster = ClusterVecEnv(
+        env_fns, backend=backend, num_workers=_workers(scenario), processes_per_worker=processes_per_worker
+    )
     try:
         for venv in (dummy, cluster):
             venv.seed(scenario["seed"])
@@ -171,13 +173,17 @@ def check_vec_env(scenario: dict, backend: str = "local") -> None:
         cluster.close()
 
 
-def check_vector_env(scenario: dict, autoreset_mode: str | None, backend: str = "local") -> None:
+def check_vector_env(
+    scenario: dict, autoreset_mode: str | None, backend: str = "local", processes_per_worker: int = 1
+) -> None:
     """ClusterVectorEnv and SyncVectorEnv: the same results, step by step, for batched actions
     (gymnasium 1.x: every autoreset mode; DISABLED resets the ended envs with a mask)."""
     env_fns = _env_fns(scenario)
     kwargs = {} if autoreset_mode is None else {"autoreset_mode": gym.vector.AutoresetMode(autoreset_mode)}
     sync = gym.vector.SyncVectorEnv(env_fns, **kwargs)
-    cluster = ClusterVectorEnv(env_fns, backend=backend, num_workers=_workers(scenario), **kwargs)
+    cluster = ClusterVectorEnv(
+        env_fns, backend=backend, num_workers=_workers(scenario), processes_per_worker=processes_per_worker, **kwargs
+    )
     try:
         seed, options = scenario["seed"], {"level": scenario["seed"] % 3}
         if same_outcome(
@@ -222,5 +228,29 @@ def test_vector_env_agrees_with_sync_vector_env(autoreset_mode):
     @given(SCENARIOS)
     def check(scenario):
         check_vector_env(scenario, autoreset_mode)
+
+    check()
+
+
+# Node agents (processes_per_worker): scenarios whose every block has two envs or more, each agent
+# stepping its block on two local processes.
+def _agent_blocks(scenario: dict) -> bool:
+    return scenario["num_envs"] // _workers(scenario) >= 2
+
+
+@pytest.mark.slow
+@FUZZ
+@given(SB3_SCENARIOS.filter(_agent_blocks))
+def test_vec_env_through_node_agents_agrees_with_dummy_vec_env(scenario):
+    check_vec_env(scenario, processes_per_worker=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autoreset_mode", AUTORESET_MODES)
+def test_vector_env_through_node_agents_agrees_with_sync_vector_env(autoreset_mode):
+    @FUZZ
+    @given(SCENARIOS.filter(_agent_blocks))
+    def check(scenario):
+        check_vector_env(scenario, autoreset_mode, processes_per_worker=2)
 
     check()
