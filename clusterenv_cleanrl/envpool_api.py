@@ -78,8 +78,8 @@ class ClusterEnvPool(NotCopyable):
     :param batch_size: envs per ``recv`` (default ``num_envs``: synchronous)
     :param seed: env ``i`` is seeded with ``seed + i`` at its first reset (EnvPool's convention)
     :param make_kwargs: keyword arguments of ``gymnasium.make`` (with ``env_id``)
-    :param options: the pool's keywords (``backend``, ``num_workers``, ``timeout``, restarts) and
-        backend options, as for ``ClusterVectorEnv``
+    :param options: the pool's keywords (:data:`~clusterenv_core.pool.POOL_OPTIONS`) and backend
+        options, as for ``ClusterVectorEnv``
     """
 
     def __init__(

@@ -32,8 +32,7 @@ class ClusterVectorEnv(_PoolVectorEnv):
         overwritten by the next ``step`` or ``reset``, already from its ``step_async`` on (where
         ``SyncVectorEnv`` writes them in ``step_wait``; ``AsyncVectorEnv`` is like ClusterEnv), so
         keep what you need of them before you call ``step_async``
-    :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
-        ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
+    :param options: ClusterEnv's keywords: the pool's (:data:`~clusterenv_core.pool.POOL_OPTIONS`, see
         :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
 
     A replaced env or worker ends its episodes as truncated, with the reason under the info key

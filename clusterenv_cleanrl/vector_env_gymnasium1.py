@@ -37,8 +37,7 @@ class ClusterVectorEnv(_PoolVectorEnv):
         as in ``SyncVectorEnv``: with the latter two, the envs' observation spaces need only share
         their dtype and shape (Box bounds may differ)
     :param autoreset_mode: a ``gymnasium.vector.AutoresetMode`` or its value
-    :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
-        ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
+    :param options: ClusterEnv's keywords: the pool's (:data:`~clusterenv_core.pool.POOL_OPTIONS`, see
         :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
 
     A replaced env or worker ends its episodes as truncated, with the reason under the info key

@@ -27,8 +27,7 @@ class ClusterVecEnv(NotCopyable, VecEnv):
     only when set, ``options=``, as from ``DummyVecEnv``.
 
     :param env_fns: callables that build the environments (closures work: they are cloudpickled)
-    :param options: ClusterEnv's keywords: the pool's ``backend``, ``num_workers``, ``timeout``,
-        ``restart_failed_envs``, ``restart_failed_workers`` and ``max_restarts`` (see
+    :param options: ClusterEnv's keywords: the pool's (:data:`~clusterenv_core.pool.POOL_OPTIONS`, see
         :class:`~clusterenv_core.pool.EnvPool`), and any option of the backend (its transport class)
     :param start_method: ``SubprocVecEnv``'s keyword, accepted so that code passing it runs unchanged.
         Workers are always fresh interpreters that receive the cloudpickled factories, whatever the
