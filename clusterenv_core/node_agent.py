@@ -181,7 +181,8 @@ class AgentBlock:
     def _run(self, operation: str, call: Callable[[], Any]) -> Any:
         """``call()`` on the inner pool, its failures turned into the worker's, and the envs it
         replaced noted in :attr:`replaced` (also when it failed)."""
-        before = list(self.pool.env_restarts)
+        # Envs are replaced only with restart_failed_envs: no per-env count to compare on every step otherwise.
+        before = list(self.pool.env_restarts) if self.pool.restart_failed_envs else None
         self.replaced = []
         try:
             return call()
@@ -191,8 +192,9 @@ class AgentBlock:
             where = f"the node agent's local processes (numbered, as their envs, from env {self.first_index})"
             raise RemoteFailure(None, f"{operation} in {where}", error) from error
         finally:
-            for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
-                self.replaced.extend([self.first_index + slot] * (now - was))
+            if before is not None:
+                for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
+                    self.replaced.extend([self.first_index + slot] * (now - was))
 
     def _copy_results(self) -> None:
         for rows, inner in self._result_copies:
