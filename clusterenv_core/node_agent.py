@@ -21,6 +21,7 @@ imports it: the worker program's entry hands it to :func:`~clusterenv_core.worke
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from clusterenv_core import protocol
 from clusterenv_core.errors import ClusterEnvError, EnvError
+from clusterenv_core.learner_threads import LearnerThreadsWarning
 from clusterenv_core.pool import EnvPool
 from clusterenv_core.worker.env_block import step_parts
 from clusterenv_core.worker.remote_failure import RemoteFailure
@@ -82,18 +84,22 @@ class AgentBlock:
         self._action_dtypes: list[np.dtype] = []
         self._result_copies: list[tuple[np.ndarray, np.ndarray]] = []  # (the learner's rows, the inner field)
         try:
-            self.pool = EnvPool(
-                env_fns,
-                backend="local",
-                num_workers=processes,
-                timeout=timeout,
-                autoreset_mode=autoreset_mode,
-                restart_failed_envs=max_env_restarts > 0,
-                max_restarts=max_env_restarts,
-                # The learner checks each env's space with its own test once they are described; here
-                # the buffers are laid out by the block's first env's, as the learner's by env 0's.
-                observation_spaces_fit=_any_space_fits,
-            )
+            with warnings.catch_warnings():
+                # The warning is the learner's, about its torch threads; an agent trains nothing (its
+                # factories may import torch, through SB3's make_vec_env say).
+                warnings.simplefilter("ignore", LearnerThreadsWarning)
+                self.pool = EnvPool(
+                    env_fns,
+                    backend="local",
+                    num_workers=processes,
+                    timeout=timeout,
+                    autoreset_mode=autoreset_mode,
+                    restart_failed_envs=max_env_restarts > 0,
+                    max_restarts=max_env_restarts,
+                    # The learner checks each env's space with its own test once they are described; here
+                    # the buffers are laid out by the block's first env's, as the learner's by env 0's.
+                    observation_spaces_fit=_any_space_fits,
+                )
         except EnvError as error:
             raise RelayedEnvFailure(error) from error
         except Exception as error:
