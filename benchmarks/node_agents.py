@@ -1,7 +1,8 @@
-"""The learner's cost per synchronous step with node agents (``processes_per_worker``) against flat workers, on MPI spawn.
+"""The learner's cost per synchronous step with node agents (``processes_per_worker``) against flat workers.
 
-    python benchmarks/node_agents.py [--seconds 2] [--rounds 3] [--layouts 2x4 1x8 8x1]
-                                     [--json benchmarks/results/node_agents.json]
+    python benchmarks/node_agents.py [--seconds 2] [--rounds 3] [--layouts 2x8 16x1 2x16 32x1]
+                                     [--curve] [--json benchmarks/results/node_agents.json]
+                                     [--png benchmarks/results/node_agents.png]
 
 A layout ``WxP`` is W workers (MPI ranks the learner spawns) of P local processes each; ``8x1`` is 8
 flat ranks. Every layout steps ``--envs-per-process`` envs per process (4: 32 envs in 8 processes),
@@ -15,6 +16,12 @@ Reported per workload and layout:
 - ``learner_us``: the learner's CPU time (``time.process_time()``: all its threads) per pool step;
 - ``steps_per_s``: env steps per second (pool steps x envs);
 - ``step_us``: wall time of one pool step.
+
+Each layout is compared with the flat layout of as many processes (``x flat``). ``--curve`` also
+measures ``noop`` over a range of process counts, flat (N ranks), as 2 agents (2 x N/2) and as
+agents of 8 processes (N/8 x 8); fits the learner's cost per step to ``base + per_worker * W +
+per_process * N`` for flat workers and for agents; and draws the curve (``--png``). The fit is
+what docs/node_agents.md scales to 1,000 processes.
 
 Read the ratios within one run. On a machine with fewer cores than processes the envs' own work
 competes with the learner for cores: ``busy`` then measures that contention more than the backend.
@@ -59,7 +66,13 @@ def measure(workload: str, layout: str, envs_per_process: int, seconds: float, b
     workers, processes = parse_layout(layout)
     num_envs = workers * processes * envs_per_process
     started = time.perf_counter()
-    pool = EnvPool([WORKLOADS[workload]] * num_envs, backend="mpi", num_workers=workers, processes_per_worker=processes)
+    pool = EnvPool(
+        [WORKLOADS[workload]] * num_envs,
+        backend="mpi",
+        num_workers=workers,
+        processes_per_worker=processes,
+        backend_options=backend_options,
+    )
     construct = time.perf_counter() - started
     actions = np.random.default_rng(0).integers(0, 2, size=(256, num_envs))
     try:
@@ -96,15 +109,80 @@ def measure_in_new_process(
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
+CURVE_PROCESSES = (2, 4, 8, 16, 32)
+
+
+def curve_layouts() -> list[str]:
+    """Flat N x 1, two agents 2 x N/2, agents of eight N/8 x 8, for each N of :data:`CURVE_PROCESSES`."""
+    layouts = [f"{n}x1" for n in (1, *CURVE_PROCESSES)]
+    layouts += [f"2x{n // 2}" for n in CURVE_PROCESSES]
+    layouts += [f"{n // 8}x8" for n in CURVE_PROCESSES if n >= 8]
+    return list(dict.fromkeys(layouts))
+
+
+def fit_costs(points: list[tuple[int, int, float]]) -> dict:
+    """Least-squares ``learner_us = base + per_worker * W + per_process * N`` over ``(W, N, us)``
+    points; with only flat points (W == N) the per-process term is folded into ``per_worker``."""
+    workers = np.array([w for w, _, _ in points], float)
+    processes = np.array([n for _, n, _ in points], float)
+    cost = np.array([us for _, _, us in points], float)
+    if np.array_equal(workers, processes):
+        columns, names = [np.ones_like(cost), workers], ["base_us", "per_worker_us"]
+    else:
+        columns, names = [np.ones_like(cost), workers, processes], ["base_us", "per_worker_us", "per_process_us"]
+    coefficients, *_ = np.linalg.lstsq(np.stack(columns, axis=1), cost, rcond=None)
+    fit = dict(zip(names, (float(c) for c in coefficients)))
+    fit.setdefault("per_process_us", 0.0)
+    return fit
+
+
+def plot(results: list[dict], fits: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    noop = {result["layout"]: result for result in results if result["workload"] == "noop"}
+    series = {
+        "flat: N ranks": [f"{n}x1" for n in CURVE_PROCESSES],
+        "2 node agents of N/2 processes": [f"2x{n // 2}" for n in CURVE_PROCESSES],
+        "node agents of 8 processes": [f"{n // 8}x8" for n in CURVE_PROCESSES if n >= 8],
+    }
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, layouts), marker in zip(series.items(), "osD"):
+        measured = [(parse_layout(layout), noop[layout]["learner_us"]) for layout in layouts if layout in noop]
+        ax.plot([w * p for (w, p), _ in measured], [us for _, us in measured], marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(CURVE_PROCESSES, [str(n) for n in CURVE_PROCESSES])
+    ax.set_xlabel("processes stepping envs (4 envs each)")
+    ax.set_ylabel("learner CPU per step (us)")
+    flat, agents = fits["flat"], fits["agents"]
+    ax.set_title(
+        f"{title}\nfit: flat {flat['base_us']:.0f} + {flat['per_worker_us']:.1f}/rank us; agents "
+        f"{agents['base_us']:.0f} + {agents['per_worker_us']:.1f}/agent + {agents['per_process_us']:.2f}/process us",
+        fontsize=9,
+    )
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
-    parser.add_argument("--layouts", nargs="+", default=["2x4", "1x8", "8x1"], help="WxP: W workers of P processes")
+    parser.add_argument(
+        "--layouts", nargs="+", default=["2x8", "16x1", "2x16", "32x1"], help="WxP: W workers of P processes"
+    )
     parser.add_argument("--envs-per-process", type=int, default=4)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--curve", action="store_true", help="also measure noop over the scaling curve's layouts")
     parser.add_argument("--mpi-options", type=json.loads, default={}, help="the MPI backend's options (JSON)")
+    parser.add_argument("--setup", default="MPI spawn on this machine", help="what the run measured, for the JSON")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--png", default=None, help="draw the scaling curve here (with --curve)")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # measure's arguments
     args = parser.parse_args()
     if args.measure is not None:
@@ -112,6 +190,9 @@ def main() -> None:
         return
 
     configurations = [(workload, layout) for workload in args.workloads for layout in args.layouts]
+    if args.curve:
+        configurations += [("noop", layout) for layout in curve_layouts()]
+    configurations = list(dict.fromkeys(configurations))
     measured: dict[tuple[str, str], list[dict]] = {configuration: [] for configuration in configurations}
     for _ in range(args.rounds):
         for workload, layout in configurations:
@@ -131,29 +212,49 @@ def main() -> None:
                 "steps_per_s_rounds": [m["steps_per_s"] for m in rounds],
             }
         )
+    by_key = {(result["workload"], result["layout"]): result for result in results}
     print(
-        f"MPI spawn{' ' + json.dumps(args.mpi_options) if args.mpi_options else ''}, {args.envs_per_process} envs per process, median of {args.rounds} rounds of {args.seconds:g} s "
-        f"(each in a fresh process); {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+        f"{args.setup}{' ' + json.dumps(args.mpi_options) if args.mpi_options else ''}, {args.envs_per_process} "
+        f"envs per process, median of {args.rounds} rounds of {args.seconds:g} s (each in a fresh process); "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'workload':<9} {'layout':>6} {'learner us/step':>16} {'x flat':>7} {'steps/s':>9} {'x flat':>7} {'spread':>7}"
+        f"{'workload':<9} {'layout':>6} {'learner us/step':>16} {'x flat':>7} {'us/process':>11} {'steps/s':>9} "
+        f"{'x flat':>7} {'spread':>7}"
     )
     for result in results:
-        flat = next(
-            (r for r in results if r["workload"] == result["workload"] and parse_layout(r["layout"])[1] == 1), result
-        )
+        workers, processes = parse_layout(result["layout"])
+        flat = by_key.get((result["workload"], f"{workers * processes}x1"))
         spread = statistics.pstdev(result["learner_us_rounds"]) / statistics.mean(result["learner_us_rounds"])
+        learner_ratio = f"{result['learner_us'] / flat['learner_us']:>7.2f}" if flat else f"{'':>7}"
+        speed_ratio = f"{result['steps_per_s'] / flat['steps_per_s']:>7.2f}" if flat else f"{'':>7}"
         print(
-            f"{result['workload']:<9} {result['layout']:>6} {result['learner_us']:>16.0f} "
-            f"{result['learner_us'] / flat['learner_us']:>7.2f} {result['steps_per_s']:>9.0f} "
-            f"{result['steps_per_s'] / flat['steps_per_s']:>7.2f} {spread:>7.0%}"
+            f"{result['workload']:<9} {result['layout']:>6} {result['learner_us']:>16.0f} {learner_ratio} "
+            f"{result['learner_us'] / (workers * processes):>11.1f} {result['steps_per_s']:>9.0f} {speed_ratio} "
+            f"{spread:>7.0%}"
         )
+
+    fits = None
+    if args.curve:
+        noop = [(parse_layout(r["layout"]), r["learner_us"]) for r in results if r["workload"] == "noop"]
+        fits = {
+            "flat": fit_costs([(w, w, us) for (w, p), us in noop if p == 1]),
+            "agents": fit_costs([(w, w * p, us) for (w, p), us in noop if p > 1]),
+        }
+        for kind, fit in fits.items():
+            print(
+                f"fit, {kind}: learner us/step = {fit['base_us']:.1f} + {fit['per_worker_us']:.1f} x workers"
+                f" + {fit['per_process_us']:.2f} x processes"
+            )
+        if args.png:
+            plot(results, fits, args.png, f"Learner CPU per step, noop envs: {args.setup}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as file:
             json.dump(
                 {
-                    "backend": "mpi (spawn)",
+                    "setup": args.setup,
+                    "command": " ".join(["python", "benchmarks/node_agents.py", *sys.argv[1:]]),
                     "mpi_options": args.mpi_options,
                     "envs_per_process": args.envs_per_process,
                     "seconds": args.seconds,
@@ -162,6 +263,7 @@ def main() -> None:
                     "load_average": os.getloadavg(),
                     "python": platform.python_version(),
                     "results": results,
+                    "fits": fits,
                 },
                 file,
                 indent=2,

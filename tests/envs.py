@@ -845,3 +845,15 @@ class ResetKeywordsEnv(SeedOnlyResetEnv):
     def reset(self, **keywords):
         obs, _ = super().reset(seed=keywords.get("seed"))
         return obs, {"reset_keywords": ",".join(keywords)}
+
+
+class WhereCartPole(gym.Wrapper):
+    """CartPole that says where it runs: ``where()`` is its process's host name and pid."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def where(self) -> tuple[str, int]:
+        import socket
+
+        return socket.gethostname(), os.getpid()

@@ -8,8 +8,9 @@ by hand::
     mpiexec -n 9 python train_sb3_mpi.py                                               # SPMD
 
 Settings come from environment variables (defaults in brackets): ``ENV_ID`` [CartPole-v1],
-``NUM_ENVS`` [8 per worker rank], ``TOTAL_TIMESTEPS`` [200000], ``N_STEPS`` [128 per env and
-rollout], ``SEED`` [0], ``OUTPUT_DIR`` [runs].
+``PROCESSES_PER_WORKER`` [1; more makes each worker rank a node agent stepping its envs on that
+many local processes], ``NUM_ENVS`` [8 per worker process], ``TOTAL_TIMESTEPS`` [200000],
+``N_STEPS`` [128 per env and rollout], ``SEED`` [0], ``OUTPUT_DIR`` [runs].
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def main() -> None:
     if num_workers < 1:
         raise SystemExit("launch with mpiexec or srun and at least 2 ranks (see train_sb3_mpi.sbatch)")
     env_id = os.environ.get("ENV_ID", "CartPole-v1")
-    num_envs = int(os.environ.get("NUM_ENVS", 8 * num_workers))
+    processes_per_worker = int(os.environ.get("PROCESSES_PER_WORKER", 1))
+    num_envs = int(os.environ.get("NUM_ENVS", 8 * num_workers * processes_per_worker))
     total_timesteps = int(os.environ.get("TOTAL_TIMESTEPS", 200_000))
     n_steps = int(os.environ.get("N_STEPS", 128))
     seed = int(os.environ.get("SEED", 0))
@@ -44,12 +46,13 @@ def main() -> None:
         n_envs=num_envs,
         seed=seed,
         vec_env_cls=ClusterVecEnv,
-        vec_env_kwargs={"backend": "mpi", "num_workers": num_workers},
+        vec_env_kwargs={"backend": "mpi", "num_workers": num_workers, "processes_per_worker": processes_per_worker},
     )
     hosts = sorted(set(env.pool._transport.hosts))
     print(
         f"{num_envs} x {env_id} on {num_workers} worker ranks ({num_envs // num_workers}-{-(-num_envs // num_workers)} "
-        f"envs each) on {len(hosts)} host(s) {', '.join(hosts)}; learner on {MPI.Get_processor_name()}; "
+        f"envs each, on {processes_per_worker} process(es) each) on {len(hosts)} host(s) {', '.join(hosts)}; "
+        f"learner on {MPI.Get_processor_name()}; "
         f"started in {time.perf_counter() - started:.1f} s",
         flush=True,
     )

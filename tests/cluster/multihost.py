@@ -7,6 +7,8 @@
 Scenarios (one per job: a world launch serves one pool):
 
 - ``contract``: ClusterVecEnv(backend="mpi") against DummyVecEnv over 2000 steps, exactly equal;
+- ``agents``: the contract with node agents: each worker rank steps its 4 envs on 2 local
+  processes of its own host (``processes_per_worker=2``); prints the host and pid of every env;
 - ``partition``: a step that one env on w2 spends asleep for longer than the heartbeat timeout
   succeeds (a slow step is not a lost host); steps on while the shell cuts w2's link for 1 s (must
   be survived), then steps until the lasting cut raises WorkerLostError (no heartbeat) within the
@@ -63,6 +65,31 @@ def contract(timeout: float) -> None:
     )
     print(
         f"OK contract: {STEPS} steps x 8 envs identical, {episodes} episodes, "
+        f"{STEPS / seconds:.0f} steps/s, {time.monotonic() - started:.1f} s in all",
+        flush=True,
+    )
+
+
+def agents(timeout: float) -> None:
+    from tests.envs import WhereCartPole
+    from tests.helpers import run_side_by_side
+
+    def report_where(env) -> None:
+        print("HOSTS", *env.pool._transport.hosts, flush=True)
+        print("ENV HOSTS", *[f"{host}:{pid}" for host, pid in env.env_method("where")], flush=True)
+
+    started = time.monotonic()
+    episodes, seconds = run_side_by_side(
+        [WhereCartPole] * 8,
+        STEPS,
+        on_start=report_where,
+        backend="mpi",
+        timeout=timeout,
+        processes_per_worker=2,
+        **backend_options(),
+    )
+    print(
+        f"OK agents: {STEPS} steps x 8 envs identical on 2 node agents of 2 local processes, {episodes} episodes, "
         f"{STEPS / seconds:.0f} steps/s, {time.monotonic() - started:.1f} s in all",
         flush=True,
     )
@@ -177,7 +204,7 @@ def kill(timeout: float) -> None:
     print(f"OK closed in {time.monotonic() - started:.2f} s", flush=True)
 
 
-SCENARIOS = {"contract": contract, "partition": partition, "kill": kill}
+SCENARIOS = {"contract": contract, "agents": agents, "partition": partition, "kill": kill}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -6,11 +6,14 @@
 # (its ssh), and MPI traffic goes over TCP on the veths (UCX_TLS=tcp): the namespaces share
 # /dev/shm, which UCX would otherwise use, so this is forced, and checked with packet counters.
 #
-#   bash tests/cluster/netns.sh [contract] [partition] [kill] [bench]   (default: contract partition kill)
+#   bash tests/cluster/netns.sh [contract] [agents] [partition] [kill] [bench] [bench_agents]
+#                               (default: contract agents partition kill)
 #
 #   contract   ClusterVecEnv(backend="mpi") == DummyVecEnv over 2000 steps, learner on "learner",
 #              one worker rank on each of "w1" and "w2": MPMD launch (mpiexec), then spawn launch
 #              (plain python spawning its ranks on w1 and w2)
+#   agents     the contract with node agents (processes_per_worker=2): the rank on each of w1 and
+#              w2 steps its 4 envs on 2 local processes of its host (both launches)
 #   partition  a step longer than the heartbeat timeout (5 s here) is not a lost host; a 1 s cut of
 #              w2's link is survived; a lasting cut is WorkerLostError (no heartbeat) within the
 #              heartbeat timeout, not the pool's 60 s, and close() returns; w2's worker rank exits by
@@ -28,6 +31,9 @@
 #              kernels without netem), results merged into
 #              benchmarks/results/cluster_latency.json; with --quick: 0 and 5 ms, 1 s per mode, results
 #              to a temporary file (the CI smoke run)
+#   bench_agents  benchmarks/node_agents.py across the hosts: 2 node agents (one rank on each of w1
+#              and w2) of P processes against 2P flat ranks spread over w1 and w2, results to
+#              benchmarks/results/node_agents_hosts.json
 #
 # Needs root, `ip netns` and veth/bridge support, and mpi4py + MPICH; otherwise prints SKIPPED and
 # exits 0. Cleans up namespaces, veths, hosts files and processes on any exit (trap).
@@ -39,12 +45,12 @@ MODES=()
 QUICK=0
 for arg in "$@"; do
     case "$arg" in
-        contract | partition | kill | bench) MODES+=("$arg") ;;
+        contract | agents | partition | kill | bench | bench_agents) MODES+=("$arg") ;;
         --quick) QUICK=1 ;;
-        *) fail "unknown argument '$arg' (contract, partition, kill, bench, --quick)" ;;
+        *) fail "unknown argument '$arg' (contract, agents, partition, kill, bench, bench_agents, --quick)" ;;
     esac
 done
-[ ${#MODES[@]} -gt 0 ] || MODES=(contract partition kill)
+[ ${#MODES[@]} -gt 0 ] || MODES=(contract agents partition kill)
 
 # -- can this machine do it? ------------------------------------------------------------------------
 
@@ -250,6 +256,33 @@ contract() {  # contract <world|spawn>
 run_contract() {
     contract world
     contract spawn
+}
+
+# agents <world|spawn>: the contract with node agents: the worker rank on each of w1 and w2 steps
+# its 4 envs on 2 local processes there (processes_per_worker=2).
+agents() {
+    local launch=$1
+    log "agents ($launch): ClusterVecEnv(backend='mpi', processes_per_worker=2) vs DummyVecEnv, 2000 steps, agents on w1 and w2"
+    local out="$WORK/agents-$launch.out" started=$SECONDS host pids
+    start_job "$launch" 240 "$out" "$CLUSTER_DIR/multihost.py" agents
+    wait_job
+    show "$out"
+    [ "$JOB_STATUS" = 0 ] || fail "agents ($launch): the learner's job exited with $JOB_STATUS"
+    grep -q "OK agents" "$out" || fail "agents ($launch): no OK line"
+    grep -q "^HOSTS w1 w2$" "$out" || fail "agents ($launch): the agents did not run on w1 and w2"
+    # "ENV HOSTS w1:<pid> ...": each host's 4 envs in 2 local processes of that host.
+    for host in w1 w2; do
+        pids="$(grep "^ENV HOSTS" "$out" | tr ' ' '\n' | grep "^$host:" | sort | uniq -c | awk '{print $1}' | tr '\n' ' ')"
+        [ "$pids" = "2 2 " ] || fail "agents ($launch): $host's envs are not 2 per local process on it (counts: '$pids')"
+    done
+    [ "$launch" = spawn ] || all_exited_0 "$out" || fail "agents ($launch): not every rank exited 0"
+    no_processes_left "agents ($launch)"
+    log "agents ($launch): OK in $((SECONDS - started)) s"
+}
+
+run_agents() {
+    agents world
+    agents spawn
 }
 
 # no_processes_left <what>: nothing of the job runs on any host (within 10 s).
@@ -502,6 +535,20 @@ for run in data["runs"]:
     print(f"    {run['delay_ms']:>6g}ms {run['rtt_ms'] or float('nan'):>7.2f} {run['central_steps_per_s']:>16,} {run['central_step_ms']:>8.2f} "
           f"{run['rollout_steps_per_s']:>16,} {run['rollout_segment_ms']:>11.1f} {run['ratio']:>6.1f}")
 PY
+}
+
+# bench_agents: benchmarks/node_agents.py with the learner on "learner" spawning its ranks on w1 and
+# w2 (hydra places them round-robin): 2 node agents of P processes against 2P flat ranks, over TCP.
+run_bench_agents() {
+    local json="$ROOT/benchmarks/results/node_agents_hosts.json" started=$SECONDS
+    local setup="tests/cluster/netns.sh bench_agents: learner and 2 worker hosts as network namespaces on this \
+machine, MPI over TCP (UCX), ranks spawned round-robin on w1 and w2"
+    HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC="$CLUSTER_DIR/nsexec.sh" HYDRA_IFACE=ce0 \
+        timeout -k 5 1800 ip netns exec "$PREFIX-learner" unshare --uts sh -c 'hostname learner && exec "$@"' job \
+        "$PYTHON" "$ROOT/benchmarks/node_agents.py" --layouts 2x4 8x1 2x8 16x1 \
+        --mpi-options '{"launch": "spawn", "spawn_info": {"hosts": "w1,w2"}}' --setup "$setup" --json "$json" \
+        || fail "bench_agents: the benchmark failed"
+    log "bench_agents: results in $json ($((SECONDS - started)) s)"
 }
 
 for mode in "${MODES[@]}"; do

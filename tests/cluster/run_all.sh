@@ -4,8 +4,8 @@
 #   bash tests/cluster/run_all.sh
 #
 # 1. slurm.sh      a one-node Slurm cluster here, examples/slurm/*.sbatch submitted with sbatch --wait
-# 2. netns.sh      learner and worker "hosts" in network namespaces: the DummyVecEnv contract over TCP,
-#                  a network partition, a killed rank
+# 2. netns.sh      learner and worker "hosts" in network namespaces: the DummyVecEnv contract over TCP
+#                  (flat ranks, and node agents), a network partition, a killed rank
 # 3. netns.sh bench --quick   the latency benchmark's smoke run (results to a temporary file)
 #
 # Each part prints "SKIPPED: <why>" and counts as skipped where the machine cannot run it (no root,
@@ -40,7 +40,7 @@ run() {  # run <name> <seconds> <command...>
 }
 
 run slurm 420 bash "$HERE/slurm.sh"
-run "several hosts" 300 bash "$HERE/netns.sh" contract partition kill
+run "several hosts" 420 bash "$HERE/netns.sh" contract agents partition kill
 run "latency benchmark (smoke)" 300 bash "$HERE/netns.sh" bench --quick
 
 shm_left="$(comm -13 <(echo "$shm_before") <(ls /dev/shm 2>/dev/null | sort))"

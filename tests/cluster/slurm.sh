@@ -212,17 +212,20 @@ job_state() { scontrol -o show job "$1" 2>/dev/null | grep -Eo "(JobState|ExitCo
 # --overcommit). LAUNCHER=mpiexec: WORKERS=2, so hydra places 3 ranks on the 2 slots (learner + 2
 # worker ranks); LAUNCHER=srun: the script's default, 1 worker rank (srun cannot start more tasks
 # than the allocation has).
+# With a third argument P (mpiexec): PROCESSES_PER_WORKER=P, one worker rank (a node agent of P
+# local processes) beside the learner.
 submit() {
-    local script=$1 launcher=$2 out status started=$SECONDS workers=1
-    [ "$launcher" = mpiexec ] && workers=2
-    out="$WORK/job-$launcher.out"
-    log "sbatch --wait $(basename "$script") with LAUNCHER=$launcher: 1 learner + $workers worker ranks, 2048 PPO steps"
+    local script=$1 launcher=$2 processes=${3:-1} out status started=$SECONDS workers=1
+    [ "$launcher" = mpiexec ] && [ "$processes" = 1 ] && workers=2
+    out="$WORK/job-$launcher-$processes.out"
+    log "sbatch --wait $(basename "$script") with LAUNCHER=$launcher: 1 learner + $workers worker ranks of $processes process(es), 2048 PPO steps"
     status=0
     (
         cd "$ROOT"
         export CLUSTERENV_SLURM_TEST="$TOKEN"
         export VENV="$VENV" LAUNCHER="$launcher" NUM_ENVS=4 TOTAL_TIMESTEPS=2048 N_STEPS=128 OUTPUT_DIR="$WORK/runs"
-        [ "$launcher" = mpiexec ] && export WORKERS=2
+        [ "$workers" = 2 ] && export WORKERS=2
+        export PROCESSES_PER_WORKER="$processes"
         exec timeout 600 sbatch --wait --parsable --export=ALL --nodes=1 --ntasks=2 --ntasks-per-node=2 \
             --time=10 --output="$out" "$script"
     ) >"$WORK/sbatch.id" 2>"$WORK/sbatch.err" &
@@ -242,7 +245,8 @@ submit() {
     [ "$status" = 0 ] || job_fail "sbatch --wait exited with $status"
     [ "$(job_state "$JOB_ID")" = "JobState=COMPLETED ExitCode=0:0" ] || job_fail "the job did not complete with 0:0"
     grep -Eq "^learner on $NODE; $workers worker ranks" "$out" || job_fail "the script did not start $workers worker ranks"
-    grep -Eq "on $workers worker ranks .* learner on " "$out" || job_fail "the learner did not start its pool"
+    grep -Eq "on $workers worker ranks .* on $processes process\(es\) each.* learner on " "$out" \
+        || job_fail "the learner did not start its pool"
     grep -Eq "^[0-9]+ steps in [0-9.]+ s" "$out" || job_fail "the learner did not finish training"
     local mean
     mean="$(grep -Eio "final mean return[^0-9-]*-?[0-9.]+" "$out" | tail -n 1 || true)"
@@ -268,4 +272,7 @@ for script in "${SBATCH_SCRIPTS[@]}"; do
     for launcher in "${LAUNCHERS[@]}"; do
         submit "$script" "$launcher"
     done
+    if [[ " ${LAUNCHERS[*]} " == *" mpiexec "* ]]; then
+        submit "$script" mpiexec 2  # a node agent
+    fi
 done
