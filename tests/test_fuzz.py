@@ -6,8 +6,8 @@ every run); a longer run explores new examples each time:
 
     CLUSTERENV_FUZZ_EXAMPLES=300 python -m pytest tests/test_fuzz.py -q
 
-The MPI backend runs the same properties in a spawned job (``tests/mpi_scripts/fuzz.py``, from
-``tests/test_mpi_backend.py``). Whatever the fuzzer finds is fixed and kept as a regression test.
+The MPI backend runs the same properties in a spawned job, with flat ranks and with node agents
+(``tests/mpi_scripts/fuzz.py``, from ``tests/test_mpi_backend.py``). Whatever the fuzzer finds is fixed and kept as a regression test.
 """
 
 from __future__ import annotations
@@ -238,9 +238,13 @@ def _agent_blocks(scenario: dict) -> bool:
     return scenario["num_envs"] // _workers(scenario) >= 2
 
 
+SB3_AGENT_SCENARIOS = SB3_SCENARIOS.filter(_agent_blocks)
+AGENT_SCENARIOS = SCENARIOS.filter(_agent_blocks)
+
+
 @pytest.mark.slow
 @FUZZ
-@given(SB3_SCENARIOS.filter(_agent_blocks))
+@given(SB3_AGENT_SCENARIOS)
 def test_vec_env_through_node_agents_agrees_with_dummy_vec_env(scenario):
     check_vec_env(scenario, processes_per_worker=2)
 
@@ -249,7 +253,7 @@ def test_vec_env_through_node_agents_agrees_with_dummy_vec_env(scenario):
 @pytest.mark.parametrize("autoreset_mode", AUTORESET_MODES)
 def test_vector_env_through_node_agents_agrees_with_sync_vector_env(autoreset_mode):
     @FUZZ
-    @given(SCENARIOS.filter(_agent_blocks))
+    @given(AGENT_SCENARIOS)
     def check(scenario):
         check_vector_env(scenario, autoreset_mode, processes_per_worker=2)
 

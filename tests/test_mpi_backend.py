@@ -104,7 +104,7 @@ def test_ppo_parameters_identical_to_dummy_vec_env(mode):
 
 @pytest.mark.slow
 def test_fuzzer_agrees_on_mpi():
-    """The differential fuzzer's properties (tests/test_fuzz.py) with spawned MPI workers."""
+    """The differential fuzzer's properties (tests/test_fuzz.py) with spawned MPI workers, flat and node agents."""
     pytest.importorskip("hypothesis")
     code, output, _ = launch("spawn", "fuzz.py", "4")
     assert code == 0 and "OK fuzz" in output, output

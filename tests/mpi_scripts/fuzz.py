@@ -1,4 +1,5 @@
-"""The differential fuzzer's properties (``tests/test_fuzz.py``) on the MPI backend, spawn mode.
+"""The differential fuzzer's properties (``tests/test_fuzz.py``) on the MPI backend, spawn mode:
+flat ranks, then node agents (each rank stepping its block on two local processes).
 
     python fuzz.py [examples]
 
@@ -31,7 +32,21 @@ def vector_env(scenario):
     test_fuzz.check_vector_env(scenario, test_fuzz.AUTORESET_MODES[0], backend="mpi")
 
 
+@test_fuzz.FUZZ
+@given(test_fuzz.SB3_AGENT_SCENARIOS)
+def vec_env_through_agents(scenario):
+    test_fuzz.check_vec_env(scenario, backend="mpi", processes_per_worker=2)
+
+
+@test_fuzz.FUZZ
+@given(test_fuzz.AGENT_SCENARIOS)
+def vector_env_through_agents(scenario):
+    test_fuzz.check_vector_env(scenario, test_fuzz.AUTORESET_MODES[0], backend="mpi", processes_per_worker=2)
+
+
 if __name__ == "__main__":
     vec_env()
     vector_env()
+    vec_env_through_agents()
+    vector_env_through_agents()
     print("OK fuzz", flush=True)
