@@ -7,7 +7,8 @@ every run); a longer run explores new examples each time:
     CLUSTERENV_FUZZ_EXAMPLES=300 python -m pytest tests/test_fuzz.py -q
 
 The MPI backend runs the same properties in a spawned job, with flat ranks and with node agents
-(``tests/mpi_scripts/fuzz.py``, from ``tests/test_mpi_backend.py``). Whatever the fuzzer finds is fixed and kept as a regression test.
+(``tests/mpi_scripts/fuzz.py``, from ``tests/test_mpi_backend.py``). Whatever the fuzzer finds is
+fixed and kept as a regression test.
 """
 
 from __future__ import annotations
