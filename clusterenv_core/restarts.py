@@ -15,6 +15,7 @@ and counts the replacements.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from clusterenv_core import protocol
 from clusterenv_core.channel import WorkerChannel
 from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.protocol import RESTART_INFO_KEY
+from clusterenv_core.replies import START_TIMEOUT
 
 TakeOver = TypeVar("TakeOver")
 
@@ -33,8 +35,8 @@ class WorkerRestarts:
 
     :param channel: the pool's messaging (its buffers exist; it was made with ``max_worker_restarts``)
     :param autoreset_mode: the pool's
-    :param rebuild: ``rebuild(worker)`` builds a lost worker's envs on its replacement, ready to
-        step as the lost one was (buffers attached, action dtypes, a deployed policy)
+    :param init_requests: each worker's first request, which its replacements get again (marked
+        restarted, with the restart counts of its envs then)
     :param current_obs: the pool's per-env observations, for spaces without buffers
     """
 
@@ -42,12 +44,12 @@ class WorkerRestarts:
         self,
         channel: WorkerChannel,
         autoreset_mode: str,
-        rebuild: Callable[[int], None],
+        init_requests: list[protocol.Init],
         current_obs: Callable[[], list],
     ) -> None:
         self.channel = channel
         self.autoreset_mode = autoreset_mode
-        self._rebuild = rebuild
+        self._init_requests = init_requests
         self._current_obs = current_obs
         # Each lost worker stays in channel.lost until its replacement took over, so that one
         # interrupted (Ctrl-C) is done again; counted once.
@@ -124,6 +126,20 @@ class WorkerRestarts:
             raise channel.fail(failure) from error
         self._counted.discard(worker)
         return result
+
+    def _rebuild(self, worker: int) -> None:
+        """Build a lost worker's envs on its replacement, ready to step as the lost one was: attached
+        to the buffers, reading actions as the lost one did, with the deployed policy if there is one."""
+        channel = self.channel
+        start_timeout = max(channel.timeout, START_TIMEOUT)
+        env_restarts = [channel.env_restarts[index] for index in channel.blocks[worker]]
+        request = dataclasses.replace(self._init_requests[worker], restarted=True, env_restarts=env_restarts)
+        channel.send(worker, request)
+        channel.gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
+        channel.attach([worker], start_timeout)
+        channel.tell_replacement_dtypes(worker)
+        if channel.deployed is not None:
+            channel.deployed.deploy_on_replacement(worker)
 
     def _reason(self, worker: int, error: ClusterEnvError) -> str:
         channel = self.channel
