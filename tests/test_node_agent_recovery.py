@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 
 from clusterenv_core import EnvError, EnvPool
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import FailingEnv, ProcessIdEnv, cartpole_in_process, counting_env
+from tests.envs import FailingEnv, HangingEnv, ProcessIdEnv, cartpole_in_process, counting_env
 from tests.helpers import wait_until_ended
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,7 +59,7 @@ def _snapshot(pool: EnvPool, result) -> dict:
     }
 
 
-def _run_losing(mode: str, lose: str, processes_per_worker: int, num_workers: int, steps_after: int = 5) -> tuple:
+def _run_losing(mode: str, lose: str, processes_per_worker: int, num_workers: int, **options) -> tuple:
     """8 envs of 3-step episodes, half a step out of phase; before step 4, the process of env 4 is
     killed (``lose="process"``) or the worker of env 4 (``"worker"``). Returns each step's snapshot
     from step 4 on, the pool's restart counts, and the ids of the processes killed and now running."""
@@ -70,6 +71,7 @@ def _run_losing(mode: str, lose: str, processes_per_worker: int, num_workers: in
         autoreset_mode=mode,
         restart_failed_workers=True,
         timeout=30,
+        **options,
     ) as pool:
         actions = np.zeros(8, np.int64)
         pool.reset(seeds=list(range(8)))
@@ -80,7 +82,7 @@ def _run_losing(mode: str, lose: str, processes_per_worker: int, num_workers: in
         killed = _local_process_of(pool, 4) if lose == "process" else pool.worker_pids[int(pool.worker_of[4])]
         gone = [_local_process_of(pool, index) for index in pool.blocks[int(pool.worker_of[4])]]
         _kill(killed)
-        snapshots = [_snapshot(pool, pool.step(actions)) for _ in range(1 + steps_after)]
+        snapshots = [_snapshot(pool, pool.step(actions)) for _ in range(6)]
         running = [_local_process_of(pool, index) for index in range(8)]
         return snapshots, (pool.restarts, pool.env_restarts), killed, gone, running
 
@@ -97,10 +99,10 @@ def _assert_same_steps(actual: list[dict], expected: list[dict]) -> None:
         assert got["reasons"].keys() == want["reasons"].keys(), f"step {step}: restart reasons"
 
 
-@pytest.mark.parametrize("mode", ["same_step", "next_step"])
-def test_a_local_process_lost_mid_steps_is_replaced_as_a_flat_pools_worker(no_leaks, mode):
-    # Agent 1's local process 0 runs envs 4-5, as worker 2 of a flat pool of 4 workers does.
-    agents, counts, killed, _, running = _run_losing(mode, "process", processes_per_worker=2, num_workers=2)
+def check_a_local_process_lost_mid_steps_is_replaced_as_a_flat_pools_worker(mode: str, **options) -> None:
+    """Agent 1's local process 0 runs envs 4-5, as worker 2 of a flat pool of 4 workers does (a
+    local one: the MPI backend replaces no rank, but an agent on a rank replaces its local processes)."""
+    agents, counts, killed, _, running = _run_losing(mode, "process", 2, 2, **options)
     flat, flat_counts, _, _, _ = _run_losing(mode, "process", processes_per_worker=1, num_workers=4)
     _assert_same_steps(agents, flat)
     assert counts == flat_counts == ({"envs": 0, "workers": 1}, [0] * 8)
@@ -115,6 +117,11 @@ def test_a_local_process_lost_mid_steps_is_replaced_as_a_flat_pools_worker(no_le
 
 
 @pytest.mark.parametrize("mode", ["same_step", "next_step"])
+def test_a_local_process_lost_mid_steps_is_replaced_as_a_flat_pools_worker(no_leaks, mode):
+    check_a_local_process_lost_mid_steps_is_replaced_as_a_flat_pools_worker(mode)
+
+
+@pytest.mark.parametrize("mode", ["same_step", "next_step"])
 def test_a_lost_agent_is_replaced_as_a_flat_pools_worker_with_nothing_of_it_left(no_leaks, mode):
     agents, counts, killed, gone, running = _run_losing(mode, "worker", processes_per_worker=2, num_workers=2)
     flat, flat_counts, _, _, _ = _run_losing(mode, "worker", processes_per_worker=1, num_workers=2)
@@ -125,6 +132,23 @@ def test_a_lost_agent_is_replaced_as_a_flat_pools_worker_with_nothing_of_it_left
     # The old agent's local processes ended with it; the new agent started its own.
     assert wait_until_ended(gone, within=10)
     assert not set(gone) & set(running[4:]) and len(set(running[4:])) == 2
+
+
+def test_a_local_process_lost_during_asynchronous_batches_is_replaced(no_leaks):
+    options = {"autoreset_mode": "next_step", "restart_failed_workers": True, "processes_per_worker": 2}
+    with EnvPool([counting_env] * 4, num_workers=2, **options) as pool:
+        batches = pool.async_batches(2)
+        batches.reset(seeds=list(range(4)))
+        _kill(_local_process_of(pool, 3))
+        reasons: dict[int, str] = {}
+        deadline = time.monotonic() + 30  # worker 0's envs step on while worker 1 replaces its process
+        while 3 not in reasons and time.monotonic() < deadline:
+            result = batches.recv()
+            reasons.update({index: info[RESTART_INFO_KEY] for index, info in result.infos.items()})
+            batches.send(np.zeros(2, np.int64), result.env_ids)
+        assert list(reasons) == [3]
+        assert reasons[3].startswith("local process 1 of worker 1 (a node agent) was replaced (restart 1 of 3)")
+        assert pool.restarts == {"envs": 0, "workers": 1}
 
 
 def test_a_local_process_lost_again_with_its_restarts_spent_is_a_clear_error(no_leaks):
@@ -164,6 +188,29 @@ def test_a_lost_agent_keeps_its_envs_restart_budgets():
         pool.step(actions)
         with pytest.raises(EnvError, match="injected failure at step 2"):  # no budget left for env 3
             pool.step(actions)
+
+
+def _hangs_at_step_2() -> gym.Env:
+    return ProcessIdEnv(HangingEnv(gym.make("CartPole-v1"), hang_at=2))
+
+
+@pytest.mark.slow
+def test_a_local_process_stuck_past_the_timeout_has_its_agent_replaced():
+    # The agent waits for its local process as long as the learner for the agent, from later on.
+    env_fns = [cartpole_in_process] * 3 + [_hangs_at_step_2]
+    with EnvPool(env_fns, num_workers=2, processes_per_worker=2, restart_failed_workers=True, timeout=2) as pool:
+        pool.reset(seeds=list(range(4)))
+        actions = np.zeros(4, np.int64)
+        pool.step(actions)
+        stuck = _local_process_of(pool, 3)
+        result = pool.step(actions)
+        assert result.truncated.tolist() == [False, False, True, True]
+        for index in (2, 3):
+            reason = result.infos[index][RESTART_INFO_KEY]
+            assert reason.startswith("worker 1 was replaced (restart 1 of 3)") and "did not answer within 2 s" in reason
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        pool.step(actions)
+    assert wait_until_ended([stuck], within=10 + 5)  # the local backend's orphan_grace, and some
 
 
 @pytest.mark.slow

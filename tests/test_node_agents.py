@@ -269,7 +269,7 @@ def test_on_mpi_spawn_node_agents_are_the_baselines():
     pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py")
     code, output, _ = launch("spawn", "node_agents.py")
     assert code == 0, output
-    for check in ("dummy even", "dummy uneven", "async trajectories", "env error"):
+    for check in ("dummy even", "dummy uneven", "async trajectories", "env error", "local process replaced"):
         assert f"OK {check}" in output, output
 
 

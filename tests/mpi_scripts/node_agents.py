@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests import test_node_agents
+from tests import test_node_agent_recovery, test_node_agents
 from tests.envs import cartpole_in_process
 from tests.helpers import run_side_by_side
 from tests.test_async_batches import check_trajectories_match_envs_alone
@@ -51,3 +51,7 @@ if __name__ == "__main__":
     print("OK async trajectories", flush=True)
     test_node_agents.check_a_failing_env_names_its_global_index_and_worker_and_the_agent_lives_on(backend="mpi")
     print("OK env error", flush=True)
+    test_node_agent_recovery.check_a_local_process_lost_mid_steps_is_replaced_as_a_flat_pools_worker(
+        "next_step", backend="mpi"
+    )
+    print("OK local process replaced", flush=True)
