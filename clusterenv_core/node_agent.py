@@ -24,9 +24,10 @@ so the learner replaces the whole agent instead. A block that replaces a lost ag
 local processes, its envs carrying their restart counts over.
 
 The inner pool is made by ``make_pool`` (:class:`~clusterenv_core.pool.EnvPool`), which is handed
-down: this module stands above the pool, and :mod:`~clusterenv_core.worker.serving` below it, so
-the worker program's entry, or the pool of an MPI SPMD rank that turns worker, hands serving what
-makes an agent's block.
+in, so this module imports no pool and the pool may import it: an MPI SPMD rank turns worker inside
+the pool's constructor, which hands its transport what makes an agent's block. The worker program's
+entry hands the same to :func:`~clusterenv_core.worker.serving.serve`; serving never imports this
+module, as it stands below the pool (the local backend's inline worker runs it).
 """
 
 from __future__ import annotations
