@@ -190,6 +190,11 @@ def test_a_lost_agent_keeps_its_envs_restart_budgets():
             pool.step(actions)
 
 
+def test_carried_env_restarts_of_the_wrong_length_are_refused_before_anything_starts(no_leaks):
+    with pytest.raises(ValueError, match="carried_env_restarts: expected 4 counts"):
+        EnvPool([counting_env] * 4, num_workers=2, carried_env_restarts=[0, 0, 0])
+
+
 def _hangs_at_step_2() -> gym.Env:
     return ProcessIdEnv(HangingEnv(gym.make("CartPole-v1"), hang_at=2))
 
