@@ -32,7 +32,7 @@ from clusterenv_core import protocol
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.errors import ClusterEnvError, EnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import ERROR
-from clusterenv_core.replies import read_reply, remote_error, replaced_envs, reply_timeout
+from clusterenv_core.replies import read_reply, remote_error, replaced_envs, replaced_processes, reply_timeout
 from clusterenv_core.shutdown import shutdown
 from clusterenv_core.spaces import delivered_dtype
 from clusterenv_core.transports import Transport
@@ -80,7 +80,7 @@ class WorkerChannel:
         self.state = PoolState.IDLE
         self.interrupted = False
         self._finish: Callable[[], Any] | None = None  # completes the pending step or rollout
-        #: how many envs and workers were replaced so far
+        #: how many envs and workers (node agents' local processes too) were replaced so far
         self.restarts = {"envs": 0, "workers": 0}
         #: how often each env was replaced so far
         self.env_restarts = [0] * self.num_envs
@@ -292,8 +292,11 @@ class WorkerChannel:
     def lose_in_step(self, worker: int, error: ClusterEnvError) -> None:
         """A worker lost during a step or segment: replaced when it completes, if it may be, else fatal."""
         restarts = self.worker_restarts
-        if restarts is None or restarts[worker] >= self.max_worker_restarts:
+        if restarts is None:
             raise self.fail(error)
+        if restarts[worker] >= self.max_worker_restarts:
+            spent = f"not replaced again: replaced {restarts[worker]} time(s), max_restarts={self.max_worker_restarts}"
+            raise self.fail(type(error)(f"{error}\n\n({spent})")) from error
         self.lost[worker] = error
 
     def drain(self, keep_steps: bool = False) -> None:
@@ -339,6 +342,7 @@ class WorkerChannel:
         results: dict[int, Any] = {}
         first_error: EnvError | None = None
         replaced: list[int] = []
+        processes_replaced = 0  # node agents' local processes
         reported: set[int] = set()
         for worker in workers:
             if worker not in read:  # lost in a step: replaced once the step's replies are in
@@ -346,6 +350,7 @@ class WorkerChannel:
             reported.add(worker)
             request_type, status, result = read[worker]
             replaced.extend(replaced_envs(request_type, status, result))
+            processes_replaced += replaced_processes(request_type, status, result)
             if status != ERROR:
                 results[worker] = result
             elif first_error is None or worker < first_error.worker_index:
@@ -362,10 +367,12 @@ class WorkerChannel:
             for index in replaced:
                 env_restarts[index] += 1
             replaced_total = self.restarts["envs"] + len(replaced)
+        workers_replaced = self.restarts["workers"] + processes_replaced
         self._read_replies = remaining
         if replaced:
             self.restarts["envs"] = replaced_total
             self.env_restarts[:] = env_restarts
+        self.restarts["workers"] = workers_replaced
         if on_reply is not None:
             for worker in results:
                 on_reply(worker, results[worker])

@@ -83,11 +83,11 @@ def check_names(what: str, names: Any, allowed: tuple[str, ...]) -> tuple[str, .
     return names
 
 
-def check_processes_per_worker(value: Any, smallest_block: int, refused: dict[str, bool]) -> int:
+def check_processes_per_worker(value: Any, smallest_block: int, inline_worker: bool) -> int:
     """``processes_per_worker`` as an int between 1 and the envs of the smallest block.
 
-    :param refused: the options not supported with node agents yet, each with whether it is set
-    :raises ValueError: out of range, or more than 1 with an option of ``refused`` set
+    :param inline_worker: the local backend's ``inline_worker`` is set
+    :raises ValueError: out of range, or more than 1 with ``inline_worker``
     """
     value = check_int("processes_per_worker", value, minimum=1)
     if value > smallest_block:
@@ -95,7 +95,10 @@ def check_processes_per_worker(value: Any, smallest_block: int, refused: dict[st
             f"processes_per_worker={value} is more than the {smallest_block} env(s) of the smallest worker's "
             "block: each local process needs at least one env"
         )
-    for option, given in refused.items():
-        if value > 1 and given:
-            raise ValueError(f"{option} is not supported with processes_per_worker > 1 yet")
+    if value > 1 and inline_worker:
+        raise ValueError(
+            "inline_worker=True runs the last worker's block in the learner's own process, and with "
+            f"processes_per_worker={value} each worker is a node agent stepping its block on local processes "
+            "of its own: the two exclude each other; to use node agents, run the pool without inline_worker"
+        )
     return value

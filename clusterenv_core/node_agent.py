@@ -15,8 +15,19 @@ into the rows the learner reads. What does not fit the buffers comes back keyed 
 
 The inner pool's env indices are this block's slots. An env's failure in a local process is
 reported as the env's own (:class:`RelayedEnvFailure`); a lost or silent local process as the
-worker's failure. This module imports the pool, so :mod:`~clusterenv_core.worker.serving` never
-imports it: the worker program's entry hands it to :func:`~clusterenv_core.worker.serving.serve`.
+worker's failure, unless the learner's pool replaces lost workers (``restart_failed_workers``):
+then the inner pool replaces a local process lost in a step, as a pool replaces a worker, and the
+step's reply names the local processes replaced (``process_restarts``), which the learner counts as
+replaced workers; their envs' episodes end as a lost worker's do, the reason naming the local
+process and this worker. A local process silent past the timeout keeps the agent silent as long,
+so the learner replaces the whole agent instead. A block that replaces a lost agent's starts new
+local processes, its envs carrying their restart counts over.
+
+The inner pool is made by ``make_pool`` (:class:`~clusterenv_core.pool.EnvPool`), which is handed
+in, so this module imports no pool and the pool may import it: an MPI SPMD rank turns worker inside
+the pool's constructor, which hands its transport what makes an agent's block. The worker program's
+entry hands the same to :func:`~clusterenv_core.worker.serving.serve`; serving never imports this
+module, as it stands below the pool (the local backend's inline worker runs it).
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import numpy as np
 from clusterenv_core import protocol
 from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.learner_threads import LearnerThreadsWarning
-from clusterenv_core.pool import EnvPool
+from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.worker.env_block import step_parts
 from clusterenv_core.worker.remote_failure import RemoteFailure
 
@@ -56,26 +67,19 @@ class RelayedEnvFailure(RemoteFailure):
 
 
 class AgentBlock:
-    """A worker's block of envs stepped on ``processes`` local processes (an inner local pool).
+    """A worker's block of envs stepped on ``request.processes`` local processes (an inner local pool).
 
     :param env_fns: factories of this block's environments
-    :param first_index: global index of the first of them
-    :param autoreset_mode: one of :data:`~clusterenv_core.protocol.AUTORESET_MODES`
-    :param max_env_restarts: how many times one env that raises in ``step`` may be replaced (0: never)
-    :param processes: the local processes to run the block on
-    :param timeout: seconds any wait for a local process may last (the learner's ``timeout``)
+    :param request: the worker's ``Init``: the block's first env, worker index, autoreset mode, how
+        often envs and local processes may be replaced, whether it replaces a lost agent's block
+        (with its envs' restart counts), the local processes to run it on and the learner's timeout
+    :param make_pool: :class:`~clusterenv_core.pool.EnvPool`, handed down (see the module's docstring)
     """
 
-    def __init__(
-        self,
-        env_fns: list,
-        first_index: int,
-        autoreset_mode: str,
-        max_env_restarts: int,
-        processes: int,
-        timeout: float,
-    ) -> None:
+    def __init__(self, env_fns: list, request: protocol.Init, *, make_pool: Callable[..., Any]) -> None:
+        first_index = request.first_index
         self.first_index = first_index
+        self.worker = request.worker
         self.replaced: list[int] = []  # env indices replaced in the current step
         self.replaced_in_segment: list[int] = []  # what serving reports of a failed rollout: agents collect none
         self.pending_actions: list | None = None  # actions of spaces without buffers, sent before the step
@@ -83,19 +87,25 @@ class AgentBlock:
         self._action_rows: list[np.ndarray] = []  # the block's rows of each action field
         self._action_dtypes: list[np.dtype] = []
         self._result_copies: list[tuple[np.ndarray, np.ndarray]] = []  # (the learner's rows, the inner field)
+        # Local processes replaced and not yet reported to the learner (a step's reply reports them).
+        self._replaced_processes: list[int] = []
+        max_env_restarts, max_process_restarts = request.max_env_restarts, request.max_process_restarts
         try:
             with warnings.catch_warnings():
                 # The warning is the learner's, about its torch threads; an agent trains nothing (its
                 # factories may import torch, through SB3's make_vec_env say).
                 warnings.simplefilter("ignore", LearnerThreadsWarning)
-                self.pool = EnvPool(
+                self.pool = make_pool(
                     env_fns,
                     backend="local",
-                    num_workers=processes,
-                    timeout=timeout,
-                    autoreset_mode=autoreset_mode,
+                    num_workers=request.processes,
+                    timeout=request.timeout,
+                    autoreset_mode=request.autoreset_mode,
                     restart_failed_envs=max_env_restarts > 0,
-                    max_restarts=max_env_restarts,
+                    restart_failed_workers=max_process_restarts is not None,
+                    # Both are the learner's max_restarts where they apply: per env, and per local process.
+                    max_restarts=max(max_env_restarts, max_process_restarts or 0),
+                    carried_env_restarts=request.env_restarts if request.restarted else None,
                     # The learner checks each env's space with its own test once they are described; here
                     # the buffers are laid out by the block's first env's, as the learner's by env 0's.
                     observation_spaces_fit=_any_space_fits,
@@ -104,6 +114,7 @@ class AgentBlock:
             raise RelayedEnvFailure(error) from error
         except Exception as error:
             raise RemoteFailure(None, "starting the node agent's local processes", error) from error
+        self._pids = self.pool.worker_pids
 
     def describe(self) -> protocol.BlockDescription:
         """Spaces of every env and the metadata of the first, as :meth:`EnvBlock.describe` says them."""
@@ -139,19 +150,37 @@ class AgentBlock:
         result = self._run("step", lambda: pool.step(actions, per_env=per_env))
         self._copy_results()
         obs = {} if self.buffers.obs_layout.buffered else {first + slot: obs for slot, obs in enumerate(result.obs)}
+        infos = _shifted(result.infos, first)
+        replaced_processes, self._replaced_processes = self._replaced_processes, []
+        for process in replaced_processes:
+            self._name_process_in_reasons(process, infos)
         return step_parts(
-            infos=_shifted(result.infos, first),
+            infos=infos,
             reset_infos=_shifted(result.reset_infos, first),
             final_obs=_shifted(result.pickled_final_obs, first),
             obs=obs,
             env_restarts=self.replaced,
+            process_restarts=replaced_processes,
         )
+
+    def _name_process_in_reasons(self, process: int, infos: dict[int, dict]) -> None:
+        """Where the inner pool's restart reasons name local process ``process`` a worker, name it
+        as the local process of this worker that it is."""
+        inner_name = f"worker {process} was replaced"
+        name = f"local process {process} of worker {self.worker} (a node agent) was replaced"
+        for slot in self.pool.blocks[process]:
+            info = infos.get(self.first_index + slot)
+            reason = None if info is None else info.get(RESTART_INFO_KEY)
+            if isinstance(reason, str) and reason.startswith(inner_name):
+                info[RESTART_INFO_KEY] = name + reason[len(inner_name) :]
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None, omit_if_none: tuple[str, ...]) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``), as :meth:`EnvBlock.reset` does."""
         inner_mask = None if mask is None else np.array(mask, dtype=bool)
         result = self._run("reset", lambda: self.pool.reset(seeds, options, inner_mask, omit_if_none))
-        self._copy_results()
+        # The selected rows only: the others' may differ from the learner's (those of a lost agent's
+        # envs, which its replacement's new local processes never had, until they step).
+        self._copy_results(slice(None) if inner_mask is None else inner_mask)
         obs = {}
         if not self.buffers.obs_layout.buffered:
             obs = {
@@ -189,6 +218,7 @@ class AgentBlock:
         replaced noted in :attr:`replaced` (also when it failed)."""
         # Envs are replaced only with restart_failed_envs: no per-env count to compare on every step otherwise.
         before = list(self.pool.env_restarts) if self.pool.restart_failed_envs else None
+        processes_before = self.pool.restarts["workers"]
         self.replaced = []
         try:
             return call()
@@ -201,10 +231,20 @@ class AgentBlock:
             if before is not None:
                 for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
                     self.replaced.extend([self.first_index + slot] * (now - was))
+            if self.pool.restarts["workers"] != processes_before:
+                self._note_replaced_processes()
 
-    def _copy_results(self) -> None:
+    def _note_replaced_processes(self) -> None:
+        """Note the local processes the inner pool replaced (by their new process ids), for the next
+        step's reply: also those replaced in a call other than a step, which finished a step that
+        had failed (the inner pool replaces the lost once the others' replies are in)."""
+        pids = self.pool.worker_pids
+        self._replaced_processes.extend(process for process, pid in enumerate(pids) if pid != self._pids[process])
+        self._pids = pids
+
+    def _copy_results(self, selected: slice | np.ndarray = slice(None)) -> None:
         for rows, inner in self._result_copies:
-            rows[...] = inner
+            rows[selected] = inner[selected]
 
 
 def _any_space_fits(space: Any, first: Any) -> bool:

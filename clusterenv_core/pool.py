@@ -12,7 +12,6 @@ one :class:`~clusterenv_core.channel.WorkerChannel`, which also holds the pool's
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +27,7 @@ from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.factories import contiguous_blocks, pickle_factories, refuse_a_pool_built_by_a_worker_import
 from clusterenv_core.interpreter import LearnerInterpreter
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
+from clusterenv_core.node_agent import AgentBlock
 from clusterenv_core.not_copyable import NotCopyable
 from clusterenv_core.protocol import AUTORESET_MODES
 from clusterenv_core.replies import START_TIMEOUT
@@ -71,14 +71,23 @@ class EnvPool(NotCopyable):
         instead of raising :class:`~clusterenv_core.errors.EnvError`
     :param restart_failed_workers: replace a worker that dies or times out during a step or a
         rollout segment by a new one (local backend) instead of raising
-        :class:`~clusterenv_core.errors.WorkerLostError`
+        :class:`~clusterenv_core.errors.WorkerLostError`. With ``processes_per_worker`` > 1, a node
+        agent replaces a local process of its own lost in a step (on any backend), and the learner
+        replaces a lost agent as any worker, the new agent starting its local processes anew
     :param max_restarts: how many times one env, or one worker, may be replaced; the next failure
-        raises its error
+        raises its error. With node agents it counts per process, as on a pool of that many
+        workers: each agent, and each local process of an agent (a lost agent's replacement gives
+        its local processes a new budget, its envs keep theirs)
     :param processes_per_worker: each worker (an MPI rank, a local worker process) steps its block on
         this many local processes (a node agent, :mod:`clusterenv_core.node_agent`), answering
         once per request for the block; at most the envs of the smallest block. Not supported with it
-        yet (``ValueError``): :meth:`deploy`, ``restart_failed_workers``, ``inline_worker``, MPI SPMD
+        yet (``ValueError``): :meth:`deploy`; nor with ``inline_worker``, which steps a block in the
+        learner's process, not on local processes of its own
     :param backend_options: keyword arguments of the backend's transport
+    :param carried_env_restarts: the envs replace those of a lost worker (the pool of a node agent
+        that replaces a lost one): how often each was replaced so far, a budget they carry over; in
+        ``next_step`` mode they reset at their next step, as a replaced worker's envs do. ``None``:
+        new envs
     :param observation_spaces_fit: ``fit(space, first)``, whether an env's observation space may
         stand with the first env's (default: equality). Observations live in buffers laid out by the
         first env's space, so a looser test must still require its dtype and shape: gymnasium's
@@ -108,6 +117,7 @@ class EnvPool(NotCopyable):
         max_restarts: int = 3,
         processes_per_worker: int = 1,
         backend_options: dict[str, Any] | None = None,
+        carried_env_restarts: Sequence[int] | None = None,
         observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
     ) -> None:
         refuse_a_pool_built_by_a_worker_import()
@@ -143,10 +153,11 @@ class EnvPool(NotCopyable):
         #: the global env indices of each worker's block
         self.blocks = contiguous_blocks(num_envs, num_workers)
         self.processes_per_worker = checks.check_processes_per_worker(
-            processes_per_worker,
-            min(len(block) for block in self.blocks),
-            {"inline_worker=True": transport.has_inline_worker, "restart_failed_workers=True": restart_failed_workers},
+            processes_per_worker, min(len(block) for block in self.blocks), transport.has_inline_worker
         )
+        carried = [0] * num_envs if carried_env_restarts is None else list(carried_env_restarts)
+        if len(carried) != num_envs:
+            raise ValueError(f"carried_env_restarts: expected {num_envs} counts (one per env), got {len(carried)}")
         #: the worker of each env index
         self.worker_of = np.repeat(np.arange(num_workers), [len(block) for block in self.blocks])
         #: asynchronous stepping, once :meth:`async_batches` started it
@@ -156,20 +167,22 @@ class EnvPool(NotCopyable):
         worker_modules = protocol.modules_named(pickled_blocks)
         shipped_registry = registry.snapshot()
         learner_interpreter = LearnerInterpreter.capture(worker_modules)
-        # Kept while restarts may need them (a replaced worker gets its block's again), else dropped
-        # once sent: they hold a pickle of every distinct factory.
-        self._init_requests: list[protocol.Init] | None = [
+        # Kept by the WorkerRestarts while restarts may need them (a replaced worker gets its block's
+        # again), else dropped once sent: they hold a pickle of every distinct factory.
+        init_requests = [
             protocol.Init(
                 env_fns=pickled_blocks[worker],
                 env_factories=env_factories[worker],
                 first_index=block.start,
+                worker=worker,
                 autoreset_mode=autoreset_mode,
                 max_env_restarts=max_restarts if self.restart_failed_envs else 0,
-                restarted=False,
-                env_restarts=[0] * len(block),
+                restarted=carried_env_restarts is not None,
+                env_restarts=carried[block.start : block.stop],
                 interpreter=learner_interpreter,
                 registry=shipped_registry,
                 processes=self.processes_per_worker,
+                max_process_restarts=max_restarts if restart_failed_workers else None,
                 timeout=timeout,
             )
             for worker, block in enumerate(self.blocks)
@@ -177,16 +190,19 @@ class EnvPool(NotCopyable):
 
         self._transport = transport
         channel = WorkerChannel(transport, self.blocks, timeout, max_restarts if restart_failed_workers else None)
+        channel.env_restarts[:] = carried
         self._channel = channel
         self._batched_action_space = None  # built on first use, for spaces without buffers
         self._restarts: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
         transport.worker_modules = tuple(worker_modules)
+        # An MPI SPMD rank serves as a worker from within this call: its node agents run pools of this class.
+        transport.agent_block = functools.partial(AgentBlock, make_pool=EnvPool)
         try:
             transport.start(num_workers, timeout)
             start_timeout = max(timeout, START_TIMEOUT)
             for worker in range(num_workers):
-                channel.send(worker, self._init_requests[worker])
+                channel.send(worker, init_requests[worker])
             descriptions = channel.gather(range(num_workers), "creating the envs", timeout=start_timeout)
             per_env_spaces = [pair for worker in range(num_workers) for pair in descriptions[worker].spaces]
             self.observation_space, self.action_space = common_spaces(per_env_spaces, observation_spaces_fit)
@@ -209,9 +225,7 @@ class EnvPool(NotCopyable):
             if self.restart_failed_workers:
                 from clusterenv_core.restarts import WorkerRestarts
 
-                self._restarts = WorkerRestarts(channel, autoreset_mode, self._rebuild_worker, lambda: self._obs)
-            else:
-                self._init_requests = None
+                self._restarts = WorkerRestarts(channel, autoreset_mode, init_requests, lambda: self._obs)
         except BaseException:
             self.close()
             raise
@@ -267,21 +281,6 @@ class EnvPool(NotCopyable):
             observation_spaces_fit=observation_spaces_fit,
             **pool_kwargs,
         )
-
-    def _rebuild_worker(self, worker: int) -> None:
-        """Build a lost worker's envs on its replacement (``restart_failed_workers``): attached to the
-        buffers, reading actions as the lost one did, with the deployed policy if there is one."""
-        channel = self._channel
-        start_timeout = max(self.timeout, START_TIMEOUT)
-        env_restarts = [self.env_restarts[index] for index in self.blocks[worker]]
-        channel.send(
-            worker, dataclasses.replace(self._init_requests[worker], restarted=True, env_restarts=env_restarts)
-        )
-        channel.gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
-        channel.attach([worker], start_timeout)
-        channel.tell_replacement_dtypes(worker)
-        if self.actors is not None:
-            self.actors.deploy_on_replacement(worker)
 
     # -- hot path ---------------------------------------------------------------------------------
 

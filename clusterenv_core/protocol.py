@@ -77,6 +77,7 @@ class Init(Request):
     env_fns: bytes  # cloudpickled list of the block's distinct factories, in the order of first use
     env_factories: list[int]  # per env of the block: its factory in that list
     first_index: int  # global index of the block's first env
+    worker: int  # the worker's index: how a node agent names itself in the infos of its replacements
     autoreset_mode: str
     max_env_restarts: int  # how often one env that raises in step may be rebuilt (0: never)
     restarted: bool  # the block replaces a lost worker's
@@ -84,6 +85,9 @@ class Init(Request):
     interpreter: Any  # the learner's import path, module files, warning filters (interpreter.LearnerInterpreter)
     registry: list  # the learner's env registry (clusterenv_core.registry.ShippedSpec)
     processes: int  # local processes the worker steps its block on (>1: a node agent, node_agent.py)
+    # A node agent's: how often each of its local processes may be replaced when lost in a step
+    # (restart_failed_workers; None: not replaced, the loss is the agent's error).
+    max_process_restarts: int | None
     timeout: float  # the pool's: a node agent waits for its local processes as long as the learner for it
 
 
@@ -243,7 +247,9 @@ class ErrorDetails(NamedTuple):
 # The result of a step or reset (and of each rollout step) names what could not go through the
 # buffers, each part only when not empty: "infos", "reset_infos", "final_obs" (final observations
 # that do not fit the buffers) and "obs" (observations of spaces without buffers), each a dict by
-# global env index; and "env_restarts", the list of the envs replaced (restart_failed_envs).
+# global env index; "env_restarts", the list of the envs replaced (restart_failed_envs); and a node
+# agent's "process_restarts", the local processes it replaced (restart_failed_workers), which the
+# learner counts as replaced workers.
 StepParts = dict
 
 OK_NONE = (OK, None)

@@ -43,6 +43,14 @@ def replaced_envs(request_type: type | None, status: str, result: Any) -> list[i
     return []
 
 
+def replaced_processes(request_type: type | None, status: str, result: Any) -> int:
+    """How many local processes a node agent's reply to a step (``request_type`` ``None``) says it
+    replaced (``restart_failed_workers``): each counts as a replaced worker, as on a flat pool."""
+    if request_type is not None or status == ERROR or result is None:
+        return 0
+    return len(result.get("process_restarts", ()))
+
+
 def remote_error(worker: int, details: protocol.ErrorDetails, what: str, sent_before_ctrl_c: bool = False) -> EnvError:
     """The learner's exception for a worker's error reply (``what`` names a failed step).
 

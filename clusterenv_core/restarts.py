@@ -6,7 +6,8 @@ that rebuilds its block of envs; the interrupted episodes end truncated, with th
 observation from before the step, and the reason under the info key
 :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`. One lost during a segment is replaced likewise,
 and the replacement collects that block's part of the segment anew, from new episodes. Only
-backends that can replace a worker do (the local one; MPI is fail-stop). The pool holds one
+backends that can replace a worker do (the local one; MPI is fail-stop), though a node agent's
+inner pool, a local one, replaces the agent's local processes on any backend. The pool holds one
 :class:`WorkerRestarts` when restarts are on and consults it only when a worker is lost, plus one
 copy per step of the observations (and, in ``next_step`` mode, of which envs the step resets). The
 :class:`~clusterenv_core.channel.WorkerChannel` notes which workers were lost (``channel.lost``)
@@ -15,6 +16,7 @@ and counts the replacements.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ from clusterenv_core import protocol
 from clusterenv_core.channel import WorkerChannel
 from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.protocol import RESTART_INFO_KEY
+from clusterenv_core.replies import START_TIMEOUT
 
 TakeOver = TypeVar("TakeOver")
 
@@ -33,8 +36,8 @@ class WorkerRestarts:
 
     :param channel: the pool's messaging (its buffers exist; it was made with ``max_worker_restarts``)
     :param autoreset_mode: the pool's
-    :param rebuild: ``rebuild(worker)`` builds a lost worker's envs on its replacement, ready to
-        step as the lost one was (buffers attached, action dtypes, a deployed policy)
+    :param init_requests: each worker's first request, which its replacements get again (marked
+        restarted, with the restart counts of its envs then)
     :param current_obs: the pool's per-env observations, for spaces without buffers
     """
 
@@ -42,12 +45,12 @@ class WorkerRestarts:
         self,
         channel: WorkerChannel,
         autoreset_mode: str,
-        rebuild: Callable[[int], None],
+        init_requests: list[protocol.Init],
         current_obs: Callable[[], list],
     ) -> None:
         self.channel = channel
         self.autoreset_mode = autoreset_mode
-        self._rebuild = rebuild
+        self._init_requests = init_requests
         self._current_obs = current_obs
         # Each lost worker stays in channel.lost until its replacement took over, so that one
         # interrupted (Ctrl-C) is done again; counted once.
@@ -124,6 +127,20 @@ class WorkerRestarts:
             raise channel.fail(failure) from error
         self._counted.discard(worker)
         return result
+
+    def _rebuild(self, worker: int) -> None:
+        """Build a lost worker's envs on its replacement, ready to step as the lost one was: attached
+        to the buffers, reading actions as the lost one did, with the deployed policy if there is one."""
+        channel = self.channel
+        start_timeout = max(channel.timeout, START_TIMEOUT)
+        env_restarts = [channel.env_restarts[index] for index in channel.blocks[worker]]
+        request = dataclasses.replace(self._init_requests[worker], restarted=True, env_restarts=env_restarts)
+        channel.send(worker, request)
+        channel.gather([worker], "recreating the envs of a lost worker", timeout=start_timeout)
+        channel.attach([worker], start_timeout)
+        channel.tell_replacement_dtypes(worker)
+        if channel.deployed is not None:
+            channel.deployed.deploy_on_replacement(worker)
 
     def _reason(self, worker: int, error: ClusterEnvError) -> str:
         channel = self.channel

@@ -125,6 +125,25 @@ class ResetFailingEnv(gym.Env):
         return np.array([self.resets, self.steps], np.float32), 1.0, self.steps == 3, False, {}
 
 
+class ProcessIdEnv(gym.Wrapper):
+    """An env with a method that returns the id of the process it runs in: a test finds a node
+    agent's local processes through it (``pool.call("process_id")``) to kill one."""
+
+    def process_id(self) -> int:
+        return os.getpid()
+
+
+def counting_env() -> gym.Env:
+    """:class:`ResetFailingEnv` that never fails (episodes of 3 steps, observation [episode, step],
+    the same whether reset seeded or not), findable by process: a lost worker's replacement starts
+    the same episodes wherever it runs."""
+    return ProcessIdEnv(ResetFailingEnv(fail_at=0))
+
+
+def cartpole_in_process() -> gym.Env:
+    return ProcessIdEnv(gym.make("CartPole-v1"))
+
+
 def write_event(path: str | None) -> None:
     """One line more in ``path`` (nothing if None), for a test to wait on (tests/helpers.py's
     ``wait_for_events``) where it would otherwise sleep until the env is there. One short write in

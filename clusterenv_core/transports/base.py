@@ -76,6 +76,10 @@ class Transport(ABC):
     #: whether a worker runs inside the learner's process (where a policy copy would set torch's
     #: threads and seed for the learner)
     has_inline_worker: bool = False
+    #: set by the pool that owns the transport: what makes a node agent's block (``processes_per_worker``
+    #: > 1) where this process turns worker itself (an MPI SPMD rank): a transport cannot import it,
+    #: as it stands above the pool
+    agent_block: Callable[..., Any] | None = None
 
     def envs_of(self, worker: int) -> str:
         """``", envs 4-7"``: the envs of ``worker``, for error messages (empty without blocks)."""

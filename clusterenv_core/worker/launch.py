@@ -61,12 +61,13 @@ def run_worker_program(argv: list[str]) -> int:
     return serve(connection, agent_block=_agent_block)
 
 
-def _agent_block(*arguments: object) -> object:
-    """A node agent's :class:`~clusterenv_core.node_agent.AgentBlock`, imported by the workers
-    that run one only: it imports the pool and the local backend, which the others never need."""
+def _agent_block(env_fns: list, request: object) -> object:
+    """A node agent's :class:`~clusterenv_core.node_agent.AgentBlock` on an inner pool, imported by
+    the workers that run one only: the pool and the local backend, which the others never need."""
     from clusterenv_core.node_agent import AgentBlock
+    from clusterenv_core.pool import EnvPool
 
-    return AgentBlock(*arguments)
+    return AgentBlock(env_fns, request, make_pool=EnvPool)
 
 
 def end_worker_program(code: int) -> NoReturn:

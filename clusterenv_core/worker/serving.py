@@ -32,9 +32,9 @@ class Worker:
 
     :param connection: the worker side of the backend
     :param agent_block: makes the block of a node agent (``processes_per_worker`` > 1) from the
-        block's factories, first index, autoreset mode, env restarts allowed, processes and timeout: an
-        :class:`~clusterenv_core.node_agent.AgentBlock`, given by the worker program's entry
-        (this module cannot import it: it imports the pool); ``None``: this worker runs none
+        block's factories and the ``Init`` request: an :class:`~clusterenv_core.node_agent.AgentBlock`,
+        given by the worker program's entry, or by the pool of an MPI SPMD rank that turns worker (this
+        module cannot import it: it stands above the pool); ``None``: this worker runs none
     """
 
     def __init__(self, connection: WorkerConnection, agent_block: Callable[..., Any] | None = None) -> None:
@@ -166,16 +166,9 @@ class Worker:
         env_fns = [factories[factory] for factory in request.env_factories]
         if request.processes > 1:
             if self.agent_block is None:
-                error = ValueError("processes_per_worker > 1 is not supported on this worker (an MPI SPMD rank) yet")
+                error = ValueError("this worker was started without what makes a node agent's block")
                 raise RemoteFailure(None, "building a node agent", error)
-            self.block = self.agent_block(
-                env_fns,
-                request.first_index,
-                request.autoreset_mode,
-                request.max_env_restarts,
-                request.processes,
-                request.timeout,
-            )
+            self.block = self.agent_block(env_fns, request)
             return self.block.describe()
         self.block = EnvBlock(
             env_fns,

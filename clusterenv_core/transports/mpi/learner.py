@@ -179,7 +179,7 @@ class MPITransport(Transport):
                     "(e.g. mpiexec -n 1 python train.py : -n 4 python -m clusterenv_core.worker)"
                 )
             if world.Get_rank() != 0:
-                serve_as_worker()  # SPMD: this rank becomes a worker and never returns
+                serve_as_worker(self.agent_block)  # SPMD: this rank becomes a worker and never returns
             self._start_world(num_workers, timeout)
         else:
             self._start_spawn(num_workers, timeout)

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -324,13 +325,17 @@ def _connect(kind: str) -> MPIWorkerConnection:
             faulthandler.cancel_dump_traceback_later()
 
 
-def serve_as_worker() -> None:
-    """SPMD: a rank above 0 that constructs a pool serves rank 0 instead, then exits."""
+def serve_as_worker(agent_block: Callable[..., Any] | None) -> None:
+    """SPMD: a rank above 0 that constructs a pool serves rank 0 instead, then exits.
+
+    :param agent_block: what makes a node agent's block, handed down by that pool (see
+        :class:`~clusterenv_core.worker.serving.Worker`)
+    """
     from clusterenv_core.worker.serving import serve
 
     connection = _connect("spmd")
     try:
-        serve(connection)  # its close() finalizes MPI and exits
+        serve(connection, agent_block)  # its close() finalizes MPI and exits
     finally:
         flush_standard_streams()
         os._exit(0)
