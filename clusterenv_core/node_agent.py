@@ -15,24 +15,32 @@ into the rows the learner reads. What does not fit the buffers comes back keyed 
 
 The inner pool's env indices are this block's slots. An env's failure in a local process is
 reported as the env's own (:class:`RelayedEnvFailure`); a lost or silent local process as the
-worker's failure. This module imports the pool, so :mod:`~clusterenv_core.worker.serving` never
+worker's failure. Worker-side inference runs on the local processes too: :meth:`AgentBlock.deploy`
+deploys the learner's policy on the inner pool (:mod:`clusterenv_core.node_agent_actors`), and
+:meth:`AgentBlock.rollout` collects each segment there. This module imports the pool, so :mod:`~clusterenv_core.worker.serving` never
 imports it: the worker program's entry hands it to :func:`~clusterenv_core.worker.serving.serve`.
 """
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clusterenv_core import protocol
 from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.learner_threads import LearnerThreadsWarning
+from clusterenv_core.node_agent_actors import AgentActors, with_env_restarts
 from clusterenv_core.pool import EnvPool
 from clusterenv_core.worker.env_block import step_parts
 from clusterenv_core.worker.remote_failure import RemoteFailure
+
+if TYPE_CHECKING:
+    from clusterenv_core.inference import WeightsRegion
+    from clusterenv_core.rollout import RolloutArrays
 
 
 class RelayedEnvFailure(RemoteFailure):
@@ -77,7 +85,7 @@ class AgentBlock:
     ) -> None:
         self.first_index = first_index
         self.replaced: list[int] = []  # env indices replaced in the current step
-        self.replaced_in_segment: list[int] = []  # what serving reports of a failed rollout: agents collect none
+        self.replaced_in_segment: list[int] = []  # env indices replaced in the current rollout segment
         self.pending_actions: list | None = None  # actions of spaces without buffers, sent before the step
         self.buffers: Any = None
         self._action_rows: list[np.ndarray] = []  # the block's rows of each action field
@@ -176,6 +184,42 @@ class AgentBlock:
 
     def is_wrapped(self, wrapper_class: type, slots: list[int]) -> list[bool]:
         return self._run("env_is_wrapped", lambda: self.pool.env_is_wrapped(wrapper_class, slots))
+
+    def preload(self, modules: tuple[str, ...]) -> None:
+        """Have the local processes import ``modules`` too, in the background."""
+        self._run("preload", lambda: self.pool.preload(modules))
+
+    def deploy(self, policy: bytes, weights: WeightsRegion, seed: int | None) -> AgentActors:
+        """Deploy the learner's cloudpickled ``policy`` on the local processes (the agent's seed
+        ``seed`` is that of its first process), fed from the learner's ``weights``."""
+        try:
+            unpickled = pickle.loads(policy)
+        except Exception as error:
+            raise RemoteFailure(None, "deploying the policy", error) from error
+        return self._run(
+            "deploying the policy", lambda: AgentActors(self.pool, self.first_index, unpickled, weights, seed)
+        )
+
+    def rollout(
+        self,
+        actors: AgentActors,
+        n_steps: int,
+        context: dict,
+        arrays: RolloutArrays,
+        report: Callable[[int], None],
+        report_every: float,
+        request_waiting: Callable[[], bool],
+    ) -> dict:
+        """Collect a segment with the deployed ``actors`` (see :meth:`AgentActors.collect`), and leave
+        the learner's buffers as a flat worker's segment leaves them: the rows after its last step."""
+        try:
+            result = self._run(
+                "rollout", lambda: actors.collect(n_steps, context, arrays, report, report_every, request_waiting)
+            )
+        finally:
+            self.replaced_in_segment = self.replaced  # also what a failed segment's reply says
+        self._copy_results()
+        return with_env_restarts(result, self.replaced)
 
     def close(self, starting: Callable[[int], None] | None = None) -> None:
         """Close the inner pool: every env, then the local processes; the first env's error raised.

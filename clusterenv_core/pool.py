@@ -77,7 +77,7 @@ class EnvPool(NotCopyable):
     :param processes_per_worker: each worker (an MPI rank, a local worker process) steps its block on
         this many local processes (a node agent, :mod:`clusterenv_core.node_agent`), answering
         once per request for the block; at most the envs of the smallest block. Not supported with it
-        yet (``ValueError``): :meth:`deploy`, ``restart_failed_workers``, ``inline_worker``, MPI SPMD
+        yet (``ValueError``): ``restart_failed_workers``, ``inline_worker``, MPI SPMD
     :param backend_options: keyword arguments of the backend's transport
     :param observation_spaces_fit: ``fit(space, first)``, whether an env's observation space may
         stand with the first env's (default: equality). Observations live in buffers laid out by the
@@ -433,15 +433,15 @@ class EnvPool(NotCopyable):
         that fails once sent to the workers leaves none (:attr:`actors` is ``None``, and the previous
         ``WorkerActors`` refuse to act), so no rollout mixes two policies.
 
-        :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
+        :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``;
+            with ``processes_per_worker=P``, local process ``p`` of worker ``w`` with ``seed + w * P + p``,
+            so that where the blocks coincide W agents of P processes act as W * P flat workers
         :raises ValueError: a worker runs in the learner's process (the local backend's ``inline_worker``),
             or ``seed + w`` is no torch seed for some worker ``w`` (see :class:`~clusterenv_core.actors.WorkerActors`
             for the rest)
         """
         from clusterenv_core.actors import WorkerActors
 
-        if self.processes_per_worker > 1:
-            raise ValueError("worker-side inference (deploy) is not supported with processes_per_worker > 1 yet")
         if self._transport.has_inline_worker:
             # A policy copy sets torch's threads and seed for its whole process: the learner's, there.
             raise ValueError(
@@ -449,7 +449,7 @@ class EnvPool(NotCopyable):
                 "a block in the learner's process (inline_worker=True): build the env without it"
             )
 
-        return WorkerActors(self._channel, policy, seed, self._restarts)
+        return WorkerActors(self._channel, policy, seed, self._restarts, self.processes_per_worker)
 
     def preload(self, modules: Sequence[str]) -> None:
         """Have every worker import ``modules`` now, in the background; returns at once.

@@ -64,6 +64,7 @@ def read_reply(
     timeout: float,
     arrays: list | None = None,
     keep: KeepReply | None = None,
+    on_progress: Callable[[int, Any], None] | None = None,
 ) -> None:
     """Read the worker's reply to a request of ``request_type`` (``None``: a step) past its progress
     reports (each restarts the ``timeout``), with the result rows and arrays that follow it.
@@ -78,10 +79,14 @@ def read_reply(
         arrays given to ``WorkerChannel.send``); left unreceived, they would stay queued in the
         transport, and a large one keeps the worker from reading its next request (MPI)
     :param keep: stores the reply as read, before Ctrl-C can take effect where it is held
+    :param on_progress: ``on_progress(worker, report)`` runs at each progress report (a node agent
+        forwards them to its learner); what it raises ends the wait, the reply still awaited
     """
     recv = transport.recv_step if request_type is None else transport.recv
     status, result = recv(worker, timeout)
     while status == PROGRESS:
+        if on_progress is not None:
+            on_progress(worker, result)
         status, result = recv(worker, timeout)
     if status == OK and request_type is not None and (request_type.REPLY_ROWS or request_type.REPLY_ARRAYS):
         with ctrl_c_held():
