@@ -388,11 +388,12 @@ def _check_seed(seed: Any, num_workers: int) -> int:
 
 def _deploy_error(error: EnvError, took: list[int]) -> EnvError:
     """``error``, of a worker that could not take the policy, saying what became of the others."""
+    # The failing worker's own account of the failure first: a node agent's names its local process.
     if took:
         workers = ", ".join(map(str, took))
-        what = f"deploying the policy (worker{'s' if len(took) > 1 else ''} {workers} took it"
+        what = f"{error.operation} (worker{'s' if len(took) > 1 else ''} {workers} took it"
     else:
-        what = "deploying the policy (no worker took it"
+        what = f"{error.operation} (no worker took it"
     what += "; no policy is deployed on the pool now, so none acts with a mix of policies: deploy again)"
     return type(error)(
         error.env_index, error.worker_index, what, error.exc_type, error.remote_message, error.remote_traceback

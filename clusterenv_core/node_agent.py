@@ -49,10 +49,11 @@ class RelayedEnvFailure(RemoteFailure):
     traceback, with the local process named in the operation.
 
     :param error: the inner pool's error, whose ``env_index`` is the env's slot in this block
+    :param operation: what failed, if not the error's own operation
     """
 
-    def __init__(self, error: EnvError) -> None:
-        operation = f"{error.operation} (in local process {error.worker_index} of the node agent)"
+    def __init__(self, error: EnvError, operation: str | None = None) -> None:
+        operation = f"{operation or error.operation} (in local process {error.worker_index} of the node agent)"
         super().__init__(error.env_index, operation, error)
 
     def reply(self, first_index: int, env_restarts: list[int] | None = None) -> tuple:
@@ -192,13 +193,20 @@ class AgentBlock:
     def deploy(self, policy: bytes, weights: WeightsRegion, seed: int | None) -> AgentActors:
         """Deploy the learner's cloudpickled ``policy`` on the local processes (the agent's seed
         ``seed`` is that of its first process), fed from the learner's ``weights``."""
+        # The local processes start torch while this process does, to unpickle the policy.
+        self.preload(("torch",))
         try:
             unpickled = pickle.loads(policy)
         except Exception as error:
             raise RemoteFailure(None, "deploying the policy", error) from error
-        return self._run(
-            "deploying the policy", lambda: AgentActors(self.pool, self.first_index, unpickled, weights, seed)
-        )
+        try:
+            return self._run(
+                "deploying the policy", lambda: AgentActors(self.pool, self.first_index, unpickled, weights, seed)
+            )
+        except RelayedEnvFailure as failure:
+            # A local process refused it. The inner pool's error says which others took it; to the
+            # learner, this agent as a whole did not.
+            raise RelayedEnvFailure(failure.error, "deploying the policy") from failure.error
 
     def rollout(
         self,
