@@ -199,14 +199,6 @@ def test_unsupported_combinations_are_refused_before_anything_starts(no_leaks, o
         EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=2, **options)
 
 
-def test_worker_side_inference_is_refused():
-    with EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=2) as pool:
-        with pytest.raises(ValueError, match=r"deploy\) is not supported with processes_per_worker > 1 yet"):
-            pool.deploy(object())
-        assert pool.actors is None
-        pool.reset()  # still usable
-
-
 def test_close_leaves_nothing_running(no_leaks):
     with EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=2) as pool:
         pool.reset()

@@ -311,18 +311,24 @@ def test_q_network_wrapper_is_epsilon_greedy_per_env():
 
 
 @pytest.mark.parametrize(
-    "ours_class, sb3_class, kwargs",
-    [(PPO, sb3.PPO, dict(batch_size=96, n_epochs=2)), (A2C, sb3.A2C, {})],
-    ids=["PPO", "A2C"],
+    "ours_class, sb3_class, kwargs, processes_per_worker",
+    [
+        (PPO, sb3.PPO, dict(batch_size=96, n_epochs=2), 1),
+        (A2C, sb3.A2C, {}, 1),
+        (PPO, sb3.PPO, dict(batch_size=96, n_epochs=2), 2),  # through node agents
+    ],
+    ids=["PPO", "A2C", "PPO-agents"],
 )
-def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ours_class, sb3_class, kwargs):
+def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(
+    ours_class, sb3_class, kwargs, processes_per_worker
+):
     """Two segments with an update in between: observations, actions, rewards bootstrapped on
     truncation, episode starts, values, log-probs, returns, advantages, what callbacks see and
     Monitor's episode stats all equal SB3's own collect_rollouts (same seeds, same policy)."""
     kwargs = dict(policy=ObsSeededPolicy, n_steps=48, **kwargs)
     env_kwargs = dict(max_episode_steps=25)
     reference = first_segments(sb3_class, dummy_vec_env("CartPole-v1", **env_kwargs), 2, **kwargs)
-    env = cluster_vec_env("CartPole-v1", **env_kwargs)
+    env = cluster_vec_env("CartPole-v1", processes_per_worker=processes_per_worker, **env_kwargs)
     try:
         ours = first_segments(ours_class, env, 2, **kwargs)
         assert_same_collection(ours, reference)
@@ -396,14 +402,15 @@ def test_ppo_box_actions_clipped_and_bootstrapped_like_sb3():
         env.close()
 
 
-def test_dqn_replay_buffer_equals_sb3_collect_rollouts():
+@pytest.mark.parametrize("processes_per_worker", [1, 2], ids=["flat", "agents"])
+def test_dqn_replay_buffer_equals_sb3_collect_rollouts(processes_per_worker):
     kwargs = dict(
         policy="MlpPolicy", learning_starts=0, train_freq=6, gradient_steps=2, batch_size=16, target_update_interval=8,
         exploration_initial_eps=0.0, exploration_final_eps=0.0,
     )
     env_kwargs = dict(max_episode_steps=10)
     reference = first_segments(sb3.DQN, dummy_vec_env("CartPole-v1", **env_kwargs), 3, **kwargs)
-    env = cluster_vec_env("CartPole-v1", **env_kwargs)
+    env = cluster_vec_env("CartPole-v1", processes_per_worker=processes_per_worker, **env_kwargs)
     try:
         ours = first_segments(DQN, env, 3, **kwargs)
         assert_same_collection(ours, reference)
