@@ -118,9 +118,10 @@ class WorkerActors:
         previous, channel.deployed = channel.deployed, None
         if previous is not None:
             previous.release()
-        for worker in range(channel.num_workers):
-            # An agent's local process p seeds with this + p: as flat worker worker * processes + p.
-            self._send_policy(worker, policy_bytes, None if seed is None else seed + worker * self._processes_per_worker)
+        # An agent's local process p seeds with the agent's seed + p: as flat worker w * processes + p.
+        first_seeds = range(0, channel.num_workers * self._processes_per_worker, self._processes_per_worker)
+        for worker, first in enumerate(first_seeds):
+            self._send_policy(worker, policy_bytes, None if seed is None else seed + first)
         took: list[int] = []
         try:
             channel.gather(

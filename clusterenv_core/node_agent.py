@@ -15,10 +15,12 @@ into the rows the learner reads. What does not fit the buffers comes back keyed 
 
 The inner pool's env indices are this block's slots. An env's failure in a local process is
 reported as the env's own (:class:`RelayedEnvFailure`); a lost or silent local process as the
-worker's failure. Worker-side inference runs on the local processes too: :meth:`AgentBlock.deploy`
-deploys the learner's policy on the inner pool (:mod:`clusterenv_core.node_agent_actors`), and
-:meth:`AgentBlock.rollout` collects each segment there. This module imports the pool, so :mod:`~clusterenv_core.worker.serving` never
+worker's failure. This module imports the pool, so :mod:`~clusterenv_core.worker.serving` never
 imports it: the worker program's entry hands it to :func:`~clusterenv_core.worker.serving.serve`.
+
+Worker-side inference runs on the local processes too: :meth:`AgentBlock.deploy` deploys the
+learner's policy on the inner pool (:mod:`clusterenv_core.node_agent_actors`), and
+:meth:`AgentBlock.rollout` collects each segment there.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from clusterenv_core import ClusterEnvError, EnvError, EnvPool, EnvValueError, W
 from clusterenv_core.errors import CloseTimeoutWarning  # noqa: E402
 from clusterenv_core.shutdown import CLOSE_TIMEOUT  # noqa: E402
 from tests.envs import FailingEnv, HangingEnv, SlowCartPole, SpacesEnv, SuicidalEnv  # noqa: E402
-from tests.helpers import descendants, wait_for_events, wait_until_ended  # noqa: E402
+from tests.helpers import descendants, launch, wait_for_events, wait_until_ended  # noqa: E402
 from tests.policies import ConstantPolicy, LinearPolicy, NumpyLinearPolicy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,30 +67,38 @@ def test_sampled_rollouts_are_those_of_flat_workers(policy_class):
     check_sampled_rollouts_are_those_of_flat_workers(policy_class)
 
 
-def _ppo_parameters(layout: dict) -> dict:
-    from clusterenv_sb3 import PPO, AAPSCallback
-    from tests.sb3_helpers import cluster_vec_env
+def _ppo_parameters(backend: str, **layout) -> dict:
+    from stable_baselines3.common.env_util import make_vec_env
 
-    env = cluster_vec_env("CartPole-v1", n_envs=8, **layout)
+    from clusterenv_sb3 import PPO, AAPSCallback, ClusterVecEnv
+
+    env = make_vec_env(
+        "CartPole-v1", n_envs=8, seed=0, vec_env_cls=ClusterVecEnv, vec_env_kwargs={"backend": backend, **layout}
+    )
     try:
         model = PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=32, batch_size=64, n_epochs=2)
         model.learn(3 * 32 * 8, callback=AAPSCallback(kl_threshold=1e-4))
         stats = model.policy_sync.stats
-        assert stats.syncs > 0
+        assert stats.syncs > 0  # one weights message per agent, as per flat worker
         assert stats.weight_bytes_sent == stats.syncs * env.pool.actors.weights_nbytes * layout["num_workers"]
         return {key: value.clone() for key, value in model.policy.state_dict().items()}
     finally:
         env.close()
 
 
-@pytest.mark.slow
-def test_seeded_sb3_ppo_with_aaps_learns_the_parameters_flat_workers_give(one_torch_thread):
-    pytest.importorskip("stable_baselines3")
+def check_seeded_sb3_ppo_learns_the_parameters_flat_workers_give(backend: str = "local") -> None:
+    """SB3's PPO, seeded, with AAPS, on 2 agents of 2 processes and on 4 flat workers: the same parameters."""
     torch.set_num_threads(1)
-    agents, flat = _ppo_parameters(AGENTS), _ppo_parameters(FLAT)
+    agents, flat = _ppo_parameters(backend, **AGENTS), _ppo_parameters(backend, **FLAT)
     assert agents.keys() == flat.keys()
     for key, value in flat.items():
         torch.testing.assert_close(agents[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_seeded_sb3_ppo_with_aaps_learns_the_parameters_flat_workers_give(one_torch_thread):
+    pytest.importorskip("stable_baselines3")
+    check_seeded_sb3_ppo_learns_the_parameters_flat_workers_give()
 
 
 @pytest.mark.slow
@@ -254,11 +262,10 @@ def test_progress_reaches_the_learner_and_weights_reach_the_local_processes_mid_
 
 
 @pytest.mark.slow
-def test_on_mpi_spawn_agents_sample_as_flat_workers():
+def test_on_mpi_spawn_agents_act_as_flat_workers():
     pytest.importorskip("mpi4py", reason="backend='mpi' needs mpi4py")
-    from tests.helpers import launch
 
-    code, output, _ = launch("spawn", "node_agent_inference.py")
+    code, output, _ = launch("spawn", "node_agent_inference.py", timeout=600)
     assert code == 0, output
-    for check in ("sampled rollouts", "env error"):
+    for check in ("sampled rollouts", "seeded ppo", "env error"):
         assert f"OK {check}" in output, output
