@@ -745,9 +745,13 @@ def test_workers_start_torch_when_the_algorithm_is_made():
         env.close()
 
 
-def test_overlapped_learning_keeps_torch_off_the_workers_cores():
+@pytest.mark.parametrize(
+    "layout", [{"num_workers": 2}, {"num_workers": 1, "processes_per_worker": 2}], ids=["flat", "agents"]
+)
+def test_overlapped_learning_keeps_torch_off_the_workers_cores(layout):
     """With overlap the learner trains while its machine's workers collect: during learn() torch uses
-    the cores they leave (at least one thread); the caller's setting comes back afterwards."""
+    the cores they leave (at least one thread; a node agent's local processes each take one); the
+    caller's setting comes back afterwards."""
 
     class Threads(BaseCallback):
         def __init__(self) -> None:
@@ -758,10 +762,10 @@ def test_overlapped_learning_keeps_torch_off_the_workers_cores():
             self.seen.add(th.get_num_threads())
             return True
 
-    env = cluster_vec_env("CartPole-v1", n_envs=2, num_workers=2)
+    env = cluster_vec_env("CartPole-v1", n_envs=2, **layout)
     threads = th.get_num_threads()
     try:
-        assert env.pool.workers_on_this_host == 2
+        assert env.pool.workers_on_this_host == layout["num_workers"]
         # Two segments: the second is collected during the first update (no time to judge who waits).
         th.set_num_threads(os.cpu_count() + 2)
         for overlap, expected in ((True, {max(1, os.cpu_count() - 2)}), (False, {th.get_num_threads()})):
