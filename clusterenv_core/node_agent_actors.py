@@ -77,7 +77,7 @@ class AgentActors:
         """Collect a segment of ``n_steps`` on the local processes into ``arrays`` (the learner's
         region, whose rows start at ``arrays.row0``); returns what
         :func:`~clusterenv_core.worker.rollout_collection.collect_segment` returns for a flat worker,
-        but ``"env_restarts"`` (see :func:`with_env_restarts`).
+        less the envs replaced in the segment, which :func:`with_env_restarts` adds.
 
         ``report(steps)`` forwards the local processes' progress every ``report_every`` seconds;
         weights the learner publishes meanwhile reach them at their next report. Once

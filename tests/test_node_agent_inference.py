@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 
 from clusterenv_core import ClusterEnvError, EnvError, EnvPool, EnvValueError, WorkerTimeoutError  # noqa: E402
 from clusterenv_core.errors import CloseTimeoutWarning  # noqa: E402
+from clusterenv_core.node_agent_actors import with_env_restarts  # noqa: E402
+from clusterenv_core.protocol import RESTART_INFO_KEY  # noqa: E402
 from clusterenv_core.shutdown import CLOSE_TIMEOUT  # noqa: E402
 from tests.envs import FailingEnv, HangingEnv, SlowCartPole, SpacesEnv, SuicidalEnv  # noqa: E402
 from tests.helpers import descendants, launch, wait_for_events, wait_until_ended  # noqa: E402
@@ -113,7 +115,13 @@ def test_seeded_sb3_sac_with_aaps_learns_the_parameters_flat_workers_give(one_to
         env = cluster_vec_env("Pendulum-v1", n_envs=4, **layout)
         try:
             model = SAC(
-                "MlpPolicy", env, seed=3, learning_starts=64, train_freq=4, gradient_steps=2, batch_size=32,
+                "MlpPolicy",
+                env,
+                seed=3,
+                learning_starts=64,
+                train_freq=4,
+                gradient_steps=2,
+                batch_size=32,
                 policy_kwargs={"net_arch": [32, 32]},
             )
             model.learn(800, callback=AAPSCallback(kl_threshold=0.05))
@@ -186,6 +194,40 @@ def check_an_env_error_mid_rollout_names_env_agent_and_local_process(**options) 
 
 def test_an_env_error_mid_rollout_names_env_agent_and_local_process():
     check_an_env_error_mid_rollout_names_env_agent_and_local_process()
+
+
+def test_env_restarts_in_a_segment_are_those_of_flat_workers():
+    # Env 1 raises at its 5th step and its replacement at its own 5th (step 9), env 6 at its 7th.
+    def collect(layout: dict) -> tuple:
+        env_fns = [functools.partial(gym.make, "CartPole-v1")] * 8
+        env_fns[1], env_fns[6] = functools.partial(_failing_at, 5), functools.partial(_failing_at, 7)
+        with EnvPool(env_fns, restart_failed_envs=True, **layout) as pool:
+            pool.reset(seeds=list(range(8)))
+            rollout = pool.deploy(LinearPolicy(), seed=0).rollout(12)
+            said = [
+                sorted(index for index, info in infos.items() if RESTART_INFO_KEY in info) for infos in rollout.infos
+            ]
+            return pool.restarts, pool.env_restarts, said
+
+    # The new envs reset unseeded: what they return differs from run to run, their restarts do not.
+    agents, flat = collect(AGENTS), collect(FLAT)
+    assert agents == flat
+    assert agents[:2] == ({"envs": 3, "workers": 0}, [0, 2, 0, 0, 0, 0, 1, 0])
+    assert [step for step, indices in enumerate(agents[2]) if indices] == [4, 6, 9]
+
+
+def test_an_agent_names_each_replaced_env_at_the_step_its_info_says_it_was_replaced():
+    said = {RESTART_INFO_KEY: "replaced"}
+    result = {"seconds": 0.1, "steps": {2: {"infos": {5: said}}, 4: {"infos": {5: said, 6: {"other": 1}}}}}
+    # Env 5 replaced three times: at steps 2 and 4, and once more at step 4, whose info says it once.
+    assert with_env_restarts(result, [5, 5, 5]) == {
+        "seconds": 0.1,
+        "steps": {
+            2: {"infos": {5: said}, "env_restarts": [5]},
+            4: {"infos": {5: said, 6: {"other": 1}}, "env_restarts": [5, 5]},
+        },
+    }
+    assert with_env_restarts({"seconds": 0.1}, []) == {"seconds": 0.1}
 
 
 def _dies_at(die_at: int) -> gym.Env:
