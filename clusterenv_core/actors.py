@@ -11,6 +11,7 @@ and the pool's state are the pool's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,10 +38,14 @@ class WorkerActors:
 
     :param channel: the pool's messaging, whose workers get the policy
     :param policy: a deployable module (:class:`~clusterenv_core.policy.DeployablePolicy`: ``act`` and ``action_dist``)
-    :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
+    :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``;
+        on node agents, local process ``p`` of agent ``w`` with ``seed + w * processes_per_worker + p``,
+        the seed of the flat worker it stands for
     :param restarts: the pool's worker replacements (``restart_failed_workers``), if on
+    :param processes_per_worker: the local processes of each worker (node agents), which act each
+        for its part of the worker's block
     :raises ValueError: the spaces have no buffers, or the action space is not one array, or the
-        policy cannot be pickled, or ``seed + w`` is no torch seed for some worker ``w``
+        policy cannot be pickled, or ``seed + w`` is no torch seed for some (flat) worker ``w``
     :raises TypeError: the policy lacks ``act`` or ``action_dist``, or ``seed`` is no int
     :raises EnvError: a worker could not take the policy; then no policy is deployed on the pool
         (the pool's ``actors`` is ``None``), since the workers that took it would act with another
@@ -48,7 +53,12 @@ class WorkerActors:
     """
 
     def __init__(
-        self, channel: WorkerChannel, policy: Any, seed: int | None = None, restarts: WorkerRestarts | None = None
+        self,
+        channel: WorkerChannel,
+        policy: Any,
+        seed: int | None = None,
+        restarts: WorkerRestarts | None = None,
+        processes_per_worker: int = 1,
     ) -> None:
         from clusterenv_core.inference import WeightsRegion, flatten_weights, weight_tensors, weights_fields
 
@@ -65,7 +75,7 @@ class WorkerActors:
             if not callable(getattr(policy, method, None)):
                 raise TypeError(f"the policy must have an {method}() method (see clusterenv_core.inference)")
         if seed is not None:
-            seed = _check_seed(seed, channel.num_workers)
+            seed = _check_seed(seed, channel.num_workers * processes_per_worker)
         try:
             policy_bytes = protocol.dumps_code(policy)
         except Exception as error:
@@ -73,6 +83,7 @@ class WorkerActors:
         channel.drain()
         self.channel = channel
         self._restarts = restarts
+        self._processes_per_worker = processes_per_worker
         self._policy_bytes = policy_bytes  # for the replacement of a worker lost during a segment
         self._regions: dict[int, list[RolloutArrays]] = {}  # by segment length, most recently used first
         self._pending: RolloutArrays | None = None  # the region of a rollout started and not waited for
@@ -107,8 +118,10 @@ class WorkerActors:
         previous, channel.deployed = channel.deployed, None
         if previous is not None:
             previous.release()
-        for worker in range(channel.num_workers):
-            self._send_policy(worker, policy_bytes, None if seed is None else seed + worker)
+        # An agent's local process p seeds with the agent's seed + p: as flat worker w * processes + p.
+        first_seeds = range(0, channel.num_workers * self._processes_per_worker, self._processes_per_worker)
+        for worker, first in enumerate(first_seeds):
+            self._send_policy(worker, policy_bytes, None if seed is None else seed + first)
         took: list[int] = []
         try:
             channel.gather(
@@ -138,10 +151,14 @@ class WorkerActors:
         """Whether Ctrl-C cut :meth:`rollout_wait` short with the segment unfinished."""
         return self._pending is not None and self.channel.interrupted
 
-    def publish_weights(self, policy_or_weights: Any) -> int:
+    def publish_weights(self, policy_or_weights: Any, version: int | None = None) -> int:
         """Publish new weights (a module like the deployed one, or a flat float32 vector) to the
         workers; returns their version. Workers pick them up at their next step (local backend) or
-        with their next rollout request (other backends)."""
+        with their next rollout request (other backends).
+
+        :param version: the version to publish them as, above the current one (a node agent relays
+            its learner's versions, some of which it may never see); default: the next one
+        """
         from clusterenv_core.inference import flatten_weights, weight_tensors
 
         if self.channel.closed:
@@ -159,17 +176,29 @@ class WorkerActors:
             flat = flatten_weights(policy_or_weights)
         if flat.size != self.weights.weights.size:
             raise ValueError(f"{flat.size} weights given, the deployed policy has {self.weights.weights.size}")
-        self.policy_version += 1
+        if version is None:
+            version = self.policy_version + 1
+        elif check_int("version", version) <= self.policy_version:
+            raise ValueError(f"version must be above the current {self.policy_version}, got {version}")
+        self.policy_version = version
         self.weights.write(flat, self.policy_version)
         return self.policy_version
 
-    def rollout_async(self, n_steps: int, context: dict | None = None, timeout: float | None = None) -> None:
+    def rollout_async(
+        self,
+        n_steps: int,
+        context: dict | None = None,
+        timeout: float | None = None,
+        progress_every: float | None = None,
+    ) -> None:
         """Start every worker collecting ``n_steps`` steps of all its envs with its policy copy;
         returns at once, so the learner can train while the segment is collected.
 
         :param context: keyword arguments for the policy's ``act`` (e.g. an exploration rate)
         :param timeout: seconds a worker may go without progress (default: the pool's ``timeout``).
             A segment may take as long as it needs: workers report progress every quarter of it.
+        :param progress_every: seconds between the workers' progress reports instead (at most a quarter
+            of ``timeout``; a node agent's local processes report often, so that it forwards them)
         """
         channel = self.channel
         channel.check_usable()
@@ -177,10 +206,13 @@ class WorkerActors:
         self._check_current()
         n_steps = check_int("n_steps", n_steps, minimum=1)
         timeout = channel.timeout if timeout is None else check_seconds("timeout", timeout)
+        report_every = timeout / 4
+        if progress_every is not None:
+            report_every = min(check_seconds("progress_every", progress_every), report_every)
         channel.drain()
         region = self._region(n_steps)
         requests = [
-            protocol.Rollout(n_steps, dict(context or {}), region.handle, block, channel.num_envs, timeout / 4)
+            protocol.Rollout(n_steps, dict(context or {}), region.handle, block, channel.num_envs, report_every)
             for block in channel.blocks
         ]
         for worker in range(channel.num_workers):
@@ -199,11 +231,16 @@ class WorkerActors:
         arrays = [array[block.start : block.stop] for array in region.all]
         self.channel.send(worker, request, reply_arrays=arrays, step=step)
 
-    def rollout_wait(self, timeout: float | None = None) -> Rollout:
+    def rollout_wait(
+        self, timeout: float | None = None, on_progress: Callable[[int, Any], None] | None = None
+    ) -> Rollout:
         """Wait for the segment started by :meth:`rollout_async`.
 
         :param timeout: seconds a worker may go without progress (default: the one given to
             :meth:`rollout_async`); a worker that stops stepping raises ``WorkerTimeoutError``
+        :param on_progress: ``on_progress(worker, steps)`` runs at each progress report read while
+            waiting (a node agent's: it forwards them, and looks for its learner's requests); what
+            it raises cuts the wait short, as Ctrl-C does
         """
         channel = self.channel
         channel.check_usable()
@@ -215,11 +252,15 @@ class WorkerActors:
         lost = channel.lost
         try:
             # With the replies read before Ctrl-C cut an earlier wait for this segment short.
-            results = channel.gather(channel.answering(), "rollout", step=True, timeout=timeout)
+            results = channel.gather(
+                channel.answering(), "rollout", step=True, timeout=timeout, on_progress=on_progress
+            )
             while lost:  # workers lost during the segment (restart_failed_workers): replacements collect their part
                 replacing = sorted(lost)
                 self._restarts.replace_lost_in_segment(self._restart_segment)
-                results.update(channel.gather(replacing, "rollout", step=True, timeout=timeout))
+                results.update(
+                    channel.gather(replacing, "rollout", step=True, timeout=timeout, on_progress=on_progress)
+                )
         finally:
             # Interrupted (Ctrl-C) with replies unread or unreported, or a lost worker not replaced
             # yet, the rollout stays pending: rollout_wait resumes it, and any other call of the pool
@@ -236,7 +277,9 @@ class WorkerActors:
                 infos[step].update(parts.get("infos", ()))
                 reset_infos[step].update(parts.get("reset_infos", ()))
                 pickled_final_obs.update(((step, index), obs) for index, obs in parts.get("final_obs", {}).items())
-        restarted_envs = []
+        # Envs of a node agent's local processes replaced in the segment (the agent's reasons are in its infos)...
+        restarted_envs = [index for result in results.values() for index in (result or {}).get("restarted_envs", ())]
+        # ...and of the workers replaced here.
         for worker, reason in sorted(self._restart_reasons.items()):
             for index in channel.blocks[worker]:
                 restarted_envs.append(index)
@@ -258,7 +301,8 @@ class WorkerActors:
             reset_infos=reset_infos,
             collect_seconds=max(result["seconds"] for result in results.values()),
             pickled_final_obs=pickled_final_obs,
-            restarted_envs=restarted_envs,
+            restarted_envs=sorted(restarted_envs),
+            arrays=region,
             _final_obs=[array.swapaxes(0, 1) for array in region.final_obs],
             _obs_layout=obs_layout,
         )
@@ -347,11 +391,12 @@ def _check_seed(seed: Any, num_workers: int) -> int:
 
 def _deploy_error(error: EnvError, took: list[int]) -> EnvError:
     """``error``, of a worker that could not take the policy, saying what became of the others."""
+    # The failing worker's own account of the failure first: a node agent's names its local process.
     if took:
         workers = ", ".join(map(str, took))
-        what = f"deploying the policy (worker{'s' if len(took) > 1 else ''} {workers} took it"
+        what = f"{error.operation} (worker{'s' if len(took) > 1 else ''} {workers} took it"
     else:
-        what = "deploying the policy (no worker took it"
+        what = f"{error.operation} (no worker took it"
     what += "; no policy is deployed on the pool now, so none acts with a mix of policies: deploy again)"
     return type(error)(
         error.env_index, error.worker_index, what, error.exc_type, error.remote_message, error.remote_traceback

@@ -242,6 +242,7 @@ class WorkerChannel:
         step: bool = False,
         timeout: float | None = None,
         on_reply: Callable[[int, Any], None] | None = None,
+        on_progress: Callable[[int, Any], None] | None = None,
     ) -> dict[int, Any]:
         """Every listed worker's reply result, once all have answered (see :meth:`_report`: the envs
         the replies say were replaced are counted, and the remote error of the lowest-numbered worker,
@@ -251,7 +252,8 @@ class WorkerChannel:
         Rows and arrays that follow a reply (see :mod:`clusterenv_core.protocol`) land in the
         buffers and in the arrays given to :meth:`send` first. ``on_reply(worker, result)`` runs
         after each successful reply, also when another worker's error is raised (who took a deployed
-        policy).
+        policy). ``on_progress(worker, report)`` runs at each progress report read meanwhile (see
+        :func:`~clusterenv_core.replies.read_reply`).
 
         :param step: the replies end a step or segment: a worker lost meanwhile is left to be
             replaced (:meth:`lose_in_step`), and its result is missing
@@ -272,6 +274,7 @@ class WorkerChannel:
                     reply_timeout(request_type, timeout),
                     reply_arrays.get(worker),
                     self._keep_reply,
+                    on_progress,
                 )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 if not step:

@@ -16,9 +16,9 @@ into the rows the learner reads. What does not fit the buffers comes back keyed 
 The inner pool's env indices are this block's slots. An env's failure in a local process is
 reported as the env's own (:class:`RelayedEnvFailure`); a lost or silent local process as the
 worker's failure, unless the learner's pool replaces lost workers (``restart_failed_workers``):
-then the inner pool replaces a local process lost in a step, as a pool replaces a worker, and the
-step's reply names the local processes replaced (``process_restarts``), which the learner counts as
-replaced workers; their envs' episodes end as a lost worker's do, the reason naming the local
+then the inner pool replaces a local process lost in a step or a rollout segment, as a pool
+replaces a worker, and the reply names the local processes replaced (``process_restarts``), which
+the learner counts as replaced workers; their envs' episodes end as a lost worker's do, the reason naming the local
 process and this worker. A local process silent past the timeout keeps the agent silent as long,
 so the learner replaces the whole agent instead. A block that replaces a lost agent's starts new
 local processes, its envs carrying their restart counts over.
@@ -28,22 +28,32 @@ in, so this module imports no pool and the pool may import it: an MPI SPMD rank 
 the pool's constructor, which hands its transport what makes an agent's block. The worker program's
 entry hands the same to :func:`~clusterenv_core.worker.serving.serve`; serving never imports this
 module, as it stands below the pool (the local backend's inline worker runs it).
+
+Worker-side inference runs on the local processes too: :meth:`AgentBlock.deploy` deploys the
+learner's policy on the inner pool (:mod:`clusterenv_core.node_agent_actors`), and
+:meth:`AgentBlock.rollout` collects each segment there.
 """
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clusterenv_core import protocol
 from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.learner_threads import LearnerThreadsWarning
+from clusterenv_core.node_agent_actors import AgentActors, with_env_restarts
 from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.worker.env_block import step_parts
 from clusterenv_core.worker.remote_failure import RemoteFailure
+
+if TYPE_CHECKING:
+    from clusterenv_core.inference import WeightsRegion
+    from clusterenv_core.rollout import RolloutArrays
 
 
 class RelayedEnvFailure(RemoteFailure):
@@ -52,10 +62,11 @@ class RelayedEnvFailure(RemoteFailure):
     traceback, with the local process named in the operation.
 
     :param error: the inner pool's error, whose ``env_index`` is the env's slot in this block
+    :param operation: what failed, if not the error's own operation
     """
 
-    def __init__(self, error: EnvError) -> None:
-        operation = f"{error.operation} (in local process {error.worker_index} of the node agent)"
+    def __init__(self, error: EnvError, operation: str | None = None) -> None:
+        operation = f"{operation or error.operation} (in local process {error.worker_index} of the node agent)"
         super().__init__(error.env_index, operation, error)
 
     def reply(self, first_index: int, env_restarts: list[int] | None = None) -> tuple:
@@ -81,7 +92,7 @@ class AgentBlock:
         self.first_index = first_index
         self.worker = request.worker
         self.replaced: list[int] = []  # env indices replaced in the current step
-        self.replaced_in_segment: list[int] = []  # what serving reports of a failed rollout: agents collect none
+        self.replaced_in_segment: list[int] = []  # env indices replaced in the current rollout segment
         self.pending_actions: list | None = None  # actions of spaces without buffers, sent before the step
         self.buffers: Any = None
         self._action_rows: list[np.ndarray] = []  # the block's rows of each action field
@@ -205,6 +216,56 @@ class AgentBlock:
 
     def is_wrapped(self, wrapper_class: type, slots: list[int]) -> list[bool]:
         return self._run("env_is_wrapped", lambda: self.pool.env_is_wrapped(wrapper_class, slots))
+
+    def preload(self, modules: tuple[str, ...]) -> None:
+        """Have the local processes import ``modules`` too, in the background."""
+        self._run("preload", lambda: self.pool.preload(modules))
+
+    def deploy(self, policy: bytes, weights: WeightsRegion, seed: int | None) -> AgentActors:
+        """Deploy the learner's cloudpickled ``policy`` on the local processes (the agent's seed
+        ``seed`` is that of its first process), fed from the learner's ``weights``."""
+        # The local processes start torch while this process does, to unpickle the policy.
+        self.preload(("torch",))
+        try:
+            unpickled = pickle.loads(policy)
+        except Exception as error:
+            raise RemoteFailure(None, "deploying the policy", error) from error
+        try:
+            return self._run(
+                "deploying the policy", lambda: AgentActors(self.pool, self.first_index, unpickled, weights, seed)
+            )
+        except RelayedEnvFailure as failure:
+            # A local process refused it. The inner pool's error says which others took it; to the
+            # learner, this agent as a whole did not.
+            raise RelayedEnvFailure(failure.error, "deploying the policy") from failure.error
+
+    def rollout(
+        self,
+        actors: AgentActors,
+        n_steps: int,
+        context: dict,
+        arrays: RolloutArrays,
+        report: Callable[[int], None],
+        report_every: float,
+        request_waiting: Callable[[], bool],
+    ) -> dict:
+        """Collect a segment with the deployed ``actors`` (see :meth:`AgentActors.collect`), and leave
+        the learner's buffers as a flat worker's segment leaves them: the rows after its last step."""
+        try:
+            result = self._run(
+                "rollout", lambda: actors.collect(n_steps, context, arrays, report, report_every, request_waiting)
+            )
+        finally:
+            self.replaced_in_segment = self.replaced  # also what a failed segment's reply says
+        self._copy_results()
+        result = with_env_restarts(result, self.replaced)
+        replaced_processes, self._replaced_processes = self._replaced_processes, []
+        if replaced_processes:
+            for parts in result.get("steps", {}).values():
+                for process in replaced_processes:
+                    self._name_process_in_reasons(process, parts.get("infos", {}))
+            result["process_restarts"] = replaced_processes
+        return result
 
     def close(self, starting: Callable[[int], None] | None = None) -> None:
         """Close the inner pool: every env, then the local processes; the first env's error raised.

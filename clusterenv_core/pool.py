@@ -80,9 +80,9 @@ class EnvPool(NotCopyable):
         its local processes a new budget, its envs keep theirs)
     :param processes_per_worker: each worker (an MPI rank, a local worker process) steps its block on
         this many local processes (a node agent, :mod:`clusterenv_core.node_agent`), answering
-        once per request for the block; at most the envs of the smallest block. Not supported with it
-        yet (``ValueError``): :meth:`deploy`; nor with ``inline_worker``, which steps a block in the
-        learner's process, not on local processes of its own
+        once per request for the block; at most the envs of the smallest block. Not with
+        ``inline_worker`` (``ValueError``), which steps a block in the learner's process, not on local
+        processes of its own
     :param backend_options: keyword arguments of the backend's transport
     :param carried_env_restarts: the envs replace those of a lost worker (the pool of a node agent
         that replaces a lost one): how often each was replaced so far, a budget they carry over; in
@@ -432,15 +432,15 @@ class EnvPool(NotCopyable):
         that fails once sent to the workers leaves none (:attr:`actors` is ``None``, and the previous
         ``WorkerActors`` refuse to act), so no rollout mixes two policies.
 
-        :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``
+        :param seed: worker ``w`` seeds its torch and numpy generators (action sampling) with ``seed + w``;
+            with ``processes_per_worker=P``, local process ``p`` of worker ``w`` with ``seed + w * P + p``,
+            so that where the blocks coincide W agents of P processes act as W * P flat workers
         :raises ValueError: a worker runs in the learner's process (the local backend's ``inline_worker``),
             or ``seed + w`` is no torch seed for some worker ``w`` (see :class:`~clusterenv_core.actors.WorkerActors`
             for the rest)
         """
         from clusterenv_core.actors import WorkerActors
 
-        if self.processes_per_worker > 1:
-            raise ValueError("worker-side inference (deploy) is not supported with processes_per_worker > 1 yet")
         if self._transport.has_inline_worker:
             # A policy copy sets torch's threads and seed for its whole process: the learner's, there.
             raise ValueError(
@@ -448,7 +448,7 @@ class EnvPool(NotCopyable):
                 "a block in the learner's process (inline_worker=True): build the env without it"
             )
 
-        return WorkerActors(self._channel, policy, seed, self._restarts)
+        return WorkerActors(self._channel, policy, seed, self._restarts, self.processes_per_worker)
 
     def preload(self, modules: Sequence[str]) -> None:
         """Have every worker import ``modules`` now, in the background; returns at once.

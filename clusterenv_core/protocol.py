@@ -166,7 +166,9 @@ class Weights(Request):
 class Rollout(Request):
     """Collect ``n_steps`` steps of every env with the deployed policy into the region ``handle``;
     the result is ``{"seconds": <how long the worker took>}`` and, when any step returned more
-    than the buffers hold, ``"steps": {t: StepParts}``; the segment's rows follow."""
+    than the buffers hold, ``"steps": {t: StepParts}``; a node agent's also names the local
+    processes it replaced in the segment (``"process_restarts"``) and their envs, whose part was
+    collected anew (``"restarted_envs"``); the segment's rows follow."""
 
     REPLY_ROWS: ClassVar[bool] = True  # the observations after the segment
     REPLY_ARRAYS: ClassVar[bool] = True  # the worker's rows of the segment region
@@ -249,7 +251,7 @@ class ErrorDetails(NamedTuple):
 # that do not fit the buffers) and "obs" (observations of spaces without buffers), each a dict by
 # global env index; "env_restarts", the list of the envs replaced (restart_failed_envs); and a node
 # agent's "process_restarts", the local processes it replaced (restart_failed_workers), which the
-# learner counts as replaced workers.
+# learner counts as replaced workers (a segment's result names them once, beside its "steps").
 StepParts = dict
 
 OK_NONE = (OK, None)

@@ -44,9 +44,10 @@ def replaced_envs(request_type: type | None, status: str, result: Any) -> list[i
 
 
 def replaced_processes(request_type: type | None, status: str, result: Any) -> int:
-    """How many local processes a node agent's reply to a step (``request_type`` ``None``) says it
-    replaced (``restart_failed_workers``): each counts as a replaced worker, as on a flat pool."""
-    if request_type is not None or status == ERROR or result is None:
+    """How many local processes a node agent's reply to a step (``request_type`` ``None``) or a
+    rollout segment says it replaced (``restart_failed_workers``): each counts as a replaced worker,
+    as on a flat pool."""
+    if request_type not in (None, protocol.Rollout) or status == ERROR or result is None:
         return 0
     return len(result.get("process_restarts", ()))
 
@@ -72,6 +73,7 @@ def read_reply(
     timeout: float,
     arrays: list | None = None,
     keep: KeepReply | None = None,
+    on_progress: Callable[[int, Any], None] | None = None,
 ) -> None:
     """Read the worker's reply to a request of ``request_type`` (``None``: a step) past its progress
     reports (each restarts the ``timeout``), with the result rows and arrays that follow it.
@@ -86,10 +88,14 @@ def read_reply(
         arrays given to ``WorkerChannel.send``); left unreceived, they would stay queued in the
         transport, and a large one keeps the worker from reading its next request (MPI)
     :param keep: stores the reply as read, before Ctrl-C can take effect where it is held
+    :param on_progress: ``on_progress(worker, report)`` runs at each progress report (a node agent
+        forwards them to its learner); what it raises ends the wait, the reply still awaited
     """
     recv = transport.recv_step if request_type is None else transport.recv
     status, result = recv(worker, timeout)
     while status == PROGRESS:
+        if on_progress is not None:
+            on_progress(worker, result)
         status, result = recv(worker, timeout)
     if status == OK and request_type is not None and (request_type.REPLY_ROWS or request_type.REPLY_ARRAYS):
         with ctrl_c_held():

@@ -77,6 +77,8 @@ class Rollout:
     (``restart_failed_workers``): their part of it comes from new envs, reset (unseeded) before
     step 0, which starts an episode, and step 0's info says why under ``"clusterenv_restart"``.
     The episodes they were in ended, unflagged, where the previous segment ended.
+    ``arrays`` are the env-major views of the region itself, laid out as :func:`rollout_fields`
+    says (a node agent copies them into its learner's region as they are).
     """
 
     obs: Any
@@ -93,6 +95,7 @@ class Rollout:
     collect_seconds: float = 0.0
     pickled_final_obs: dict[tuple[int, int], Any] = field(default_factory=dict)
     restarted_envs: list[int] = field(default_factory=list)
+    arrays: RolloutArrays | None = None
     _final_obs: list[np.ndarray] = field(default_factory=list)
     _obs_layout: SpaceLayout | None = None
 

@@ -291,7 +291,9 @@ class WorkerInferenceMixin:
 
     def learn(self, *args: Any, **kwargs: Any) -> Any:
         if self.overlap_collection and isinstance(self.env, ClusterVecEnv) and not self.env.pool.closed:
-            self._learner_threads = _LearnerThreads(spare_cores(self.env.pool.workers_on_this_host))
+            pool = self.env.pool
+            # A node agent's local processes collect on its host's cores, each as a flat worker would.
+            self._learner_threads = _LearnerThreads(spare_cores(pool.workers_on_this_host * pool.processes_per_worker))
         failed = True
         try:
             learned = super().learn(*args, **kwargs)

@@ -62,14 +62,16 @@ def recording_logger() -> tuple[Logger, RecordingWriter]:
     return Logger(folder=None, output_formats=[writer]), writer
 
 
-def cluster_vec_env(env_id: str, n_envs: int = 4, seed: int = 0, num_workers: int = 2, **make_kwargs) -> ClusterVecEnv:
+def cluster_vec_env(
+    env_id: str, n_envs: int = 4, seed: int = 0, num_workers: int = 2, processes_per_worker: int = 1, **make_kwargs
+) -> ClusterVecEnv:
     return make_vec_env(
         env_id,
         n_envs=n_envs,
         seed=seed,
         env_kwargs=make_kwargs or None,
         vec_env_cls=ClusterVecEnv,
-        vec_env_kwargs={"num_workers": num_workers},
+        vec_env_kwargs={"num_workers": num_workers, "processes_per_worker": processes_per_worker},
     )
 
 

@@ -68,9 +68,12 @@ def make_env(max_episode_steps: int = 9) -> gym.Env:
 SEEDS = [5, 6, 7, 8]
 
 
-def _vector_env() -> ClusterVectorEnv:
+def _vector_env(processes_per_worker: int = 1) -> ClusterVectorEnv:
     return ClusterVectorEnv(
-        [make_env] * len(SEEDS), autoreset_mode=gym.vector.AutoresetMode.SAME_STEP, num_workers=2
+        [make_env] * len(SEEDS),
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        num_workers=2,
+        processes_per_worker=processes_per_worker,
     )
 
 
@@ -97,14 +100,15 @@ def _reference(agent, n_steps: int, segments: int = 1):
     return steps, obs
 
 
-def test_ppo_batch_matches_sequential_reference():
+@pytest.mark.parametrize("processes_per_worker", [1, 2], ids=["flat", "agents"])
+def test_ppo_batch_matches_sequential_reference(processes_per_worker):
     torch.manual_seed(0)
     agent = GreedyAgent()
     with torch.no_grad():  # mostly push left: episodes end terminated (about 9 steps) or truncated (9)
         agent.actor.bias.copy_(torch.tensor([2.0, -2.0]))
     n_steps = 30
     expected, last_obs = _reference(agent, n_steps, segments=2)
-    with _vector_env() as envs:
+    with _vector_env(processes_per_worker) as envs:
         rollouts = WorkerRollouts(envs, agent, n_steps, seed=SEEDS[0])
         batches = [rollouts.collect_ppo(GAMMA) for _ in range(2)]
         rollouts.close()
@@ -220,11 +224,13 @@ def test_replay_transitions_use_final_observations():
         np.testing.assert_array_equal(effective_dones, rollout.terminated.astype(np.float32))
 
 
-def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights():
+@pytest.mark.parametrize("processes_per_worker", [1, 2], ids=["flat", "agents"])
+def test_sync_modes_count_pushes_and_workers_act_with_the_pushed_weights(processes_per_worker):
+    # Through node agents, one weights message per agent: 2, as from 2 flat workers.
     torch.manual_seed(1)
     for mode, expected_syncs in (("always", 3), ("never", 0)):
         agent = GreedyAgent()
-        with EnvPool([make_env] * 4, num_workers=2) as pool:
+        with EnvPool([make_env] * 4, num_workers=2, processes_per_worker=processes_per_worker) as pool:
             rollouts = WorkerRollouts(pool, agent, 8, sync=mode, seed=0)
             for _ in range(3):
                 b = rollouts.collect_ppo(GAMMA)

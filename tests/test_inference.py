@@ -290,12 +290,14 @@ def test_workers_exit_when_the_learner_dies_in_the_middle_of_a_weights_write(tmp
     assert left == [], "workers outlived their learner, waiting for its unfinished weights write"
 
 
-def test_rollout_equals_sequential_reference():
+@pytest.mark.parametrize("processes_per_worker", [1, 2], ids=["flat", "agents"])
+def test_rollout_equals_sequential_reference(processes_per_worker):
+    # Through node agents too: blocks of 3 and 2 envs, each on 2 local processes (2 + 1, 1 + 1).
     torch.manual_seed(1)
     policy = LinearPolicy(greedy=True)
     seeds = [10, 11, 12, 13, 14]
     expected, last_obs = reference_rollout(policy, seeds, 120)
-    with EnvPool.make("CartPole-v1", 5, num_workers=2) as pool:
+    with EnvPool.make("CartPole-v1", 5, num_workers=2, processes_per_worker=processes_per_worker) as pool:
         pool.reset(seeds=seeds)
         actors = pool.deploy(policy)
         rollout = actors.rollout(120)

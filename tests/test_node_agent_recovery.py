@@ -7,6 +7,7 @@ restart reason aside, which names the agent and its local process), and the same
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from clusterenv_core import EnvError, EnvPool
 from clusterenv_core.protocol import RESTART_INFO_KEY
-from tests.envs import FailingEnv, HangingEnv, ProcessIdEnv, cartpole_in_process, counting_env
+from tests.envs import FailingEnv, HangingEnv, ProcessIdEnv, cartpole_in_process, counting_env, lost_once
 from tests.helpers import wait_until_ended
 
 pytestmark = pytest.mark.timeout(180)
@@ -242,3 +243,58 @@ def test_sb3_ppo_learns_on_through_a_lost_local_process():
         assert venv.pool.restarts == {"envs": 0, "workers": 1}
     finally:
         venv.close()
+
+
+def _segment_losing_a_process(tmp_path, name: str, **layout) -> tuple:
+    """A 6-step segment of 4 CartPoles in which env 3's process is killed at its 4th step."""
+    torch = pytest.importorskip("torch")
+    from tests.policies import LinearPolicy
+
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 3
+    env_fns.append(functools.partial(lost_once, str(tmp_path / name), "killed", 4))
+    torch.manual_seed(0)
+    with EnvPool(env_fns, restart_failed_workers=True, max_restarts=1, timeout=30, **layout) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        rollout = pool.deploy(LinearPolicy()).rollout(6)
+        kept = [np.array(rollout.obs), rollout.actions.copy(), rollout.rewards.copy(), rollout.last_obs.copy()]
+        return kept, rollout.restarted_envs, rollout.infos, dict(pool.restarts)
+
+
+def test_a_local_process_lost_mid_rollout_is_replaced_by_its_agent_as_a_flat_worker_is(tmp_path, no_leaks):
+    agents = _segment_losing_a_process(tmp_path, "agents", num_workers=1, processes_per_worker=2)
+    flat = _segment_losing_a_process(tmp_path, "flat", num_workers=2)
+    # The other process's part is what the flat pool's other worker collects; the replacement's is a
+    # new segment from a reset (unseeded, as on the flat pool).
+    (obs, actions, rewards, last_obs), (flat_obs, flat_actions, flat_rewards, flat_last_obs) = agents[0], flat[0]
+    np.testing.assert_array_equal(obs[:, :2], flat_obs[:, :2])  # time-major
+    np.testing.assert_array_equal(actions[:, :2], flat_actions[:, :2])
+    np.testing.assert_array_equal(rewards[:, :2], flat_rewards[:, :2])
+    np.testing.assert_array_equal(last_obs[:2], flat_last_obs[:2])
+    assert np.all(np.abs(obs[0, 2:]) <= 0.05)  # CartPole's reset range
+    assert agents[1] == flat[1] == [2, 3]
+    assert agents[3] == flat[3] == {"envs": 0, "workers": 1}
+    for index in (2, 3):
+        reason = agents[2][0][index][RESTART_INFO_KEY]
+        assert reason.startswith("local process 1 of worker 0 (a node agent) was replaced (restart 1 of 1)"), reason
+        assert "worker 1 was replaced (restart 1 of 1)" in flat[2][0][index][RESTART_INFO_KEY]
+    assert not any(RESTART_INFO_KEY in info for infos in agents[2][1:] for info in infos.values())
+
+
+def test_a_lost_agent_is_replaced_with_the_deployed_policy_during_a_segment(no_leaks):
+    pytest.importorskip("torch")
+    from tests.policies import LinearPolicy
+
+    with EnvPool.make(
+        "CartPole-v1", 8, num_workers=2, processes_per_worker=2, restart_failed_workers=True, timeout=30
+    ) as pool:
+        pool.reset(seeds=list(range(8)))
+        actors = pool.deploy(LinearPolicy())
+        actors.rollout(4)
+        agent = pool.worker_pids[1]
+        _kill(agent)
+        rollout = actors.rollout(6)
+        assert pool.worker_pids[1] != agent
+        assert rollout.restarted_envs == [4, 5, 6, 7] and pool.restarts == {"envs": 0, "workers": 1}
+        assert "worker 1 was replaced (restart 1 of 3)" in rollout.infos[0][4][RESTART_INFO_KEY]
+        assert np.all(np.abs(rollout.obs[0][4:]) <= 0.05)  # the new agent's envs start from a reset
+        assert actors.rollout(6).restarted_envs == []  # the new agent acts with the deployed policy

@@ -193,14 +193,6 @@ def test_an_inline_worker_is_refused_before_anything_starts_saying_why(no_leaks)
     assert "run the pool without inline_worker" in str(caught.value)
 
 
-def test_worker_side_inference_is_refused():
-    with EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=2) as pool:
-        with pytest.raises(ValueError, match=r"deploy\) is not supported with processes_per_worker > 1 yet"):
-            pool.deploy(object())
-        assert pool.actors is None
-        pool.reset()  # still usable
-
-
 def test_close_leaves_nothing_running(no_leaks):
     with EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=2) as pool:
         pool.reset()

@@ -311,18 +311,24 @@ def test_q_network_wrapper_is_epsilon_greedy_per_env():
 
 
 @pytest.mark.parametrize(
-    "ours_class, sb3_class, kwargs",
-    [(PPO, sb3.PPO, dict(batch_size=96, n_epochs=2)), (A2C, sb3.A2C, {})],
-    ids=["PPO", "A2C"],
+    "ours_class, sb3_class, kwargs, processes_per_worker",
+    [
+        (PPO, sb3.PPO, dict(batch_size=96, n_epochs=2), 1),
+        (A2C, sb3.A2C, {}, 1),
+        (PPO, sb3.PPO, dict(batch_size=96, n_epochs=2), 2),  # through node agents
+    ],
+    ids=["PPO", "A2C", "PPO-agents"],
 )
-def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(ours_class, sb3_class, kwargs):
+def test_on_policy_rollout_buffer_equals_sb3_collect_rollouts_with_truncation(
+    ours_class, sb3_class, kwargs, processes_per_worker
+):
     """Two segments with an update in between: observations, actions, rewards bootstrapped on
     truncation, episode starts, values, log-probs, returns, advantages, what callbacks see and
     Monitor's episode stats all equal SB3's own collect_rollouts (same seeds, same policy)."""
     kwargs = dict(policy=ObsSeededPolicy, n_steps=48, **kwargs)
     env_kwargs = dict(max_episode_steps=25)
     reference = first_segments(sb3_class, dummy_vec_env("CartPole-v1", **env_kwargs), 2, **kwargs)
-    env = cluster_vec_env("CartPole-v1", **env_kwargs)
+    env = cluster_vec_env("CartPole-v1", processes_per_worker=processes_per_worker, **env_kwargs)
     try:
         ours = first_segments(ours_class, env, 2, **kwargs)
         assert_same_collection(ours, reference)
@@ -396,14 +402,15 @@ def test_ppo_box_actions_clipped_and_bootstrapped_like_sb3():
         env.close()
 
 
-def test_dqn_replay_buffer_equals_sb3_collect_rollouts():
+@pytest.mark.parametrize("processes_per_worker", [1, 2], ids=["flat", "agents"])
+def test_dqn_replay_buffer_equals_sb3_collect_rollouts(processes_per_worker):
     kwargs = dict(
         policy="MlpPolicy", learning_starts=0, train_freq=6, gradient_steps=2, batch_size=16, target_update_interval=8,
         exploration_initial_eps=0.0, exploration_final_eps=0.0,
     )
     env_kwargs = dict(max_episode_steps=10)
     reference = first_segments(sb3.DQN, dummy_vec_env("CartPole-v1", **env_kwargs), 3, **kwargs)
-    env = cluster_vec_env("CartPole-v1", **env_kwargs)
+    env = cluster_vec_env("CartPole-v1", processes_per_worker=processes_per_worker, **env_kwargs)
     try:
         ours = first_segments(DQN, env, 3, **kwargs)
         assert_same_collection(ours, reference)
@@ -738,9 +745,13 @@ def test_workers_start_torch_when_the_algorithm_is_made():
         env.close()
 
 
-def test_overlapped_learning_keeps_torch_off_the_workers_cores():
+@pytest.mark.parametrize(
+    "layout", [{"num_workers": 2}, {"num_workers": 1, "processes_per_worker": 2}], ids=["flat", "agents"]
+)
+def test_overlapped_learning_keeps_torch_off_the_workers_cores(layout):
     """With overlap the learner trains while its machine's workers collect: during learn() torch uses
-    the cores they leave (at least one thread); the caller's setting comes back afterwards."""
+    the cores they leave (at least one thread; a node agent's local processes each take one); the
+    caller's setting comes back afterwards."""
 
     class Threads(BaseCallback):
         def __init__(self) -> None:
@@ -751,10 +762,10 @@ def test_overlapped_learning_keeps_torch_off_the_workers_cores():
             self.seen.add(th.get_num_threads())
             return True
 
-    env = cluster_vec_env("CartPole-v1", n_envs=2, num_workers=2)
+    env = cluster_vec_env("CartPole-v1", n_envs=2, **layout)
     threads = th.get_num_threads()
     try:
-        assert env.pool.workers_on_this_host == 2
+        assert env.pool.workers_on_this_host == layout["num_workers"]
         # Two segments: the second is collected during the first update (no time to judge who waits).
         th.set_num_threads(os.cpu_count() + 2)
         for overlap, expected in ((True, {max(1, os.cpu_count() - 2)}), (False, {th.get_num_threads()})):

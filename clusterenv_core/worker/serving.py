@@ -4,7 +4,9 @@ It is backend-agnostic: a :class:`~clusterenv_core.transports.base.WorkerConnect
 requests of :mod:`clusterenv_core.protocol`, and results are written into the batch buffers the
 connection maps. :data:`HANDLERS` maps each request type to its handler; the step is the one fast
 path beside it. The envs are the :class:`~clusterenv_core.worker.env_block.EnvBlock`'s; a rollout
-segment is collected by :func:`~clusterenv_core.worker.rollout_collection.collect_segment`.
+segment is collected by :func:`~clusterenv_core.worker.rollout_collection.collect_segment`. A node
+agent's block (``agent_block``) steps its envs, holds the policy copies and collects segments on
+its local processes instead.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ class Worker:
         self.connection = connection
         self.agent_block = agent_block
         self.block: Any = None  # an EnvBlock, or the agent_block's on a node agent
+        self.agent = False  # whether this worker is a node agent
         self.first_index = 0  # global index of the block's first env
-        self.host = None  # the deployed policy copy (clusterenv_core.inference.PolicyHost)
+        # The deployed policy copy (clusterenv_core.inference.PolicyHost); on a node agent, the copies
+        # on its local processes (the block's deploy makes them).
+        self.host: Any = None
         self.rollout_regions: dict[str, Any] = {}  # mapped segment regions, by handle
 
     def serve(self) -> int:
@@ -168,6 +173,7 @@ class Worker:
             if self.agent_block is None:
                 error = ValueError("this worker was started without what makes a node agent's block")
                 raise RemoteFailure(None, "building a node agent", error)
+            self.agent = True
             self.block = self.agent_block(env_fns, request)
             return self.block.describe()
         self.block = EnvBlock(
@@ -194,6 +200,8 @@ class Worker:
         return self.block.reset(request.seeds, request.options, request.mask, request.omit_if_none)
 
     def preload(self, request: protocol.Preload) -> None:
+        if self.agent:  # its local processes import them meanwhile
+            self.block.preload(request.modules)
         for name in request.modules:
             importlib.import_module(name)
 
@@ -204,10 +212,13 @@ class Worker:
         weights = WeightsRegion(views, writer_alive=self.connection.learner_alive)
         if request.deliver:
             self.connection.recv_arrays(weights.arrays)
-        try:
-            self.host = PolicyHost(request.policy, weights, request.seed)
-        except Exception as error:
-            raise RemoteFailure(None, "deploying the policy", error) from error
+        if self.agent:
+            self.host = self.block.deploy(request.policy, weights, request.seed)
+        else:
+            try:
+                self.host = PolicyHost(request.policy, weights, request.seed)
+            except Exception as error:
+                raise RemoteFailure(None, "deploying the policy", error) from error
         self.rollout_regions = {}
 
     def weights(self, request: protocol.Weights) -> None:
@@ -219,17 +230,17 @@ class Worker:
         def report(steps: int) -> None:
             self.connection.send((PROGRESS, steps))
 
-        result = collect_segment(
-            self.block,
+        n_steps, context, report_every, waiting = (
             request.n_steps,
             request.context,
-            self.host,
-            arrays,
-            report,
             request.report_every,
             self.connection.request_waiting,
         )
-        mine = slice(arrays.row0, arrays.row0 + len(self.block.envs))
+        if self.agent:  # on the local processes' copies
+            result = self.block.rollout(self.host, n_steps, context, arrays, report, report_every, waiting)
+        else:
+            result = collect_segment(self.block, n_steps, context, self.host, arrays, report, report_every, waiting)
+        mine = slice(arrays.row0, arrays.row0 + len(request.block))
         return result, [array[mine] for array in arrays.all]
 
     def _segment_region(self, request: protocol.Rollout):
