@@ -34,3 +34,16 @@ class BusyCartPole(gym.Wrapper):
         while time.perf_counter() < end:
             pass
         return self.env.step(action)
+
+
+class SleepyCartPole(gym.Wrapper):
+    """CartPole whose step sleeps ``sleep_us`` microseconds: a slow step that leaves the core idle,
+    so that many such processes on few cores model a host with a core for each (no contention)."""
+
+    def __init__(self, sleep_us: float = 200.0) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.sleep_s = sleep_us * 1e-6
+
+    def step(self, action):
+        time.sleep(self.sleep_s)
+        return self.env.step(action)

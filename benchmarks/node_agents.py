@@ -1,13 +1,15 @@
 """The learner's cost per synchronous step with node agents (``processes_per_worker``) against flat workers.
 
     python benchmarks/node_agents.py [--seconds 2] [--rounds 3] [--layouts 2x8 16x1 2x16 32x1]
-                                     [--curve] [--json benchmarks/results/node_agents.json]
+                                     [--curve noop sleepy] [--json benchmarks/results/node_agents.json]
                                      [--png benchmarks/results/node_agents.png]
 
 A layout ``WxP`` is W workers (MPI ranks the learner spawns) of P local processes each; ``8x1`` is 8
 flat ranks. Every layout steps ``--envs-per-process`` envs per process (4: 32 envs in 8 processes),
 for each workload: ``noop`` (a step that returns at once: the learner's and the backend's cost
-alone), ``cartpole`` (CartPole-v1) and ``busy`` (CartPole whose step busy-waits 200 us). Each
+alone), ``cartpole`` (CartPole-v1), ``busy`` (CartPole whose step busy-waits 200 us: the envs
+compete for the cores) and ``sleepy`` (CartPole whose step sleeps 200 us: slow steps that leave the
+cores idle, as on hosts with a core for each process). Each
 measurement runs in a fresh Python process (a training script holds one pool for its whole run);
 layouts alternate within each round and the median round is reported, as the machine is shared.
 
@@ -17,11 +19,11 @@ Reported per workload and layout:
 - ``steps_per_s``: env steps per second (pool steps x envs);
 - ``step_us``: wall time of one pool step.
 
-Each layout is compared with the flat layout of as many processes (``x flat``). ``--curve`` also
-measures ``noop`` over a range of process counts, flat (N ranks), as 2 agents (2 x N/2) and as
-agents of 8 processes (N/8 x 8); fits the learner's cost per step to ``base + per_worker * W +
-per_process * N`` for flat workers and for agents; and draws the curve (``--png``). The fit is
-what docs/node_agents.md scales to 1,000 processes.
+Each layout is compared with the flat layout of as many processes (``x flat``). ``--curve W...``
+also measures the workloads named over a range of process counts, flat (N ranks), as 2 agents
+(2 x N/2) and as agents of 8 processes (N/8 x 8); fits the learner's cost per step to ``base +
+per_worker * W + per_process * N`` for flat workers and for agents, per workload; and draws the
+curves (``--png``). The fits are what the node-agent guide scales to 1,000 processes.
 
 Read the ratios within one run. On a machine with fewer cores than processes the envs' own work
 competes with the learner for cores: ``busy`` then measures that contention more than the backend.
@@ -44,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark_envs import BusyCartPole, NoopEnv
+from benchmark_envs import BusyCartPole, NoopEnv, SleepyCartPole
 
 from clusterenv_core import EnvPool
 
@@ -52,6 +54,7 @@ WORKLOADS = {
     "noop": NoopEnv,
     "cartpole": functools.partial(gym.make, "CartPole-v1"),
     "busy": functools.partial(BusyCartPole, 200.0),
+    "sleepy": functools.partial(SleepyCartPole, 200.0),
 }
 
 
@@ -142,29 +145,32 @@ def plot(results: list[dict], fits: dict, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    noop = {result["layout"]: result for result in results if result["workload"] == "noop"}
     series = {
         "flat: N ranks": [f"{n}x1" for n in CURVE_PROCESSES],
         "2 node agents of N/2 processes": [f"2x{n // 2}" for n in CURVE_PROCESSES],
         "node agents of 8 processes": [f"{n // 8}x8" for n in CURVE_PROCESSES if n >= 8],
     }
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, layouts), marker in zip(series.items(), "osD"):
-        measured = [(parse_layout(layout), noop[layout]["learner_us"]) for layout in layouts if layout in noop]
-        ax.plot([w * p for (w, p), _ in measured], [us for _, us in measured], marker=marker, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(CURVE_PROCESSES, [str(n) for n in CURVE_PROCESSES])
-    ax.set_xlabel("processes stepping envs (4 envs each)")
-    ax.set_ylabel("learner CPU per step (us)")
-    flat, agents = fits["flat"], fits["agents"]
-    ax.set_title(
-        f"{title}\nfit: flat {flat['base_us']:.0f} + {flat['per_worker_us']:.1f}/rank us; agents "
-        f"{agents['base_us']:.0f} + {agents['per_worker_us']:.1f}/agent + {agents['per_process_us']:.2f}/process us",
-        fontsize=9,
-    )
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(fits), figsize=(6.5 * len(fits), 4.8), squeeze=False)
+    for ax, (workload, fit) in zip(axes[0], fits.items()):
+        measured_us = {r["layout"]: r["learner_us"] for r in results if r["workload"] == workload}
+        for (label, layouts), marker in zip(series.items(), "osD"):
+            points = [(parse_layout(layout), measured_us[layout]) for layout in layouts if layout in measured_us]
+            ax.plot([w * p for (w, p), _ in points], [us for _, us in points], marker=marker, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(CURVE_PROCESSES, [str(n) for n in CURVE_PROCESSES])
+        ax.set_xlabel("processes stepping envs (4 envs each)")
+        ax.set_ylabel("learner CPU per step (us)")
+        flat, agents = fit["flat"], fit["agents"]
+        ax.set_title(
+            f"{workload}: flat {flat['base_us']:.0f} + {flat['per_worker_us']:.1f}/rank us;\nagents "
+            f"{agents['base_us']:.0f} + {agents['per_worker_us']:.1f}/agent"
+            f" + {agents['per_process_us']:.2f}/process us",
+            fontsize=9,
+        )
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Learner CPU per synchronous step: {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -178,7 +184,9 @@ def main() -> None:
     )
     parser.add_argument("--envs-per-process", type=int, default=4)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--curve", action="store_true", help="also measure noop over the scaling curve's layouts")
+    parser.add_argument(
+        "--curve", nargs="*", default=[], choices=list(WORKLOADS), help="workloads measured over the curve's layouts"
+    )
     parser.add_argument("--mpi-options", type=json.loads, default={}, help="the MPI backend's options (JSON)")
     parser.add_argument("--setup", default="MPI spawn on this machine", help="what the run measured, for the JSON")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -190,8 +198,7 @@ def main() -> None:
         return
 
     configurations = [(workload, layout) for workload in args.workloads for layout in args.layouts]
-    if args.curve:
-        configurations += [("noop", layout) for layout in curve_layouts()]
+    configurations += [(workload, layout) for workload in args.curve for layout in curve_layouts()]
     configurations = list(dict.fromkeys(configurations))
     measured: dict[tuple[str, str], list[dict]] = {configuration: [] for configuration in configurations}
     for _ in range(args.rounds):
@@ -234,20 +241,20 @@ def main() -> None:
             f"{spread:>7.0%}"
         )
 
-    fits = None
-    if args.curve:
-        noop = [(parse_layout(r["layout"]), r["learner_us"]) for r in results if r["workload"] == "noop"]
-        fits = {
-            "flat": fit_costs([(w, w, us) for (w, p), us in noop if p == 1]),
-            "agents": fit_costs([(w, w * p, us) for (w, p), us in noop if p > 1]),
+    fits = {}
+    for workload in args.curve:
+        curve = [(parse_layout(r["layout"]), r["learner_us"]) for r in results if r["workload"] == workload]
+        fits[workload] = {
+            "flat": fit_costs([(w, w, us) for (w, p), us in curve if p == 1]),
+            "agents": fit_costs([(w, w * p, us) for (w, p), us in curve if p > 1]),
         }
-        for kind, fit in fits.items():
+        for kind, fit in fits[workload].items():
             print(
-                f"fit, {kind}: learner us/step = {fit['base_us']:.1f} + {fit['per_worker_us']:.1f} x workers"
-                f" + {fit['per_process_us']:.2f} x processes"
+                f"fit, {workload}, {kind}: learner us/step = {fit['base_us']:.1f} + {fit['per_worker_us']:.1f} x "
+                f"workers + {fit['per_process_us']:.2f} x processes"
             )
-        if args.png:
-            plot(results, fits, args.png, f"Learner CPU per step, noop envs: {args.setup}")
+    if fits and args.png:
+        plot(results, fits, args.png, args.setup)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as file:
