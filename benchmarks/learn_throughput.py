@@ -17,7 +17,7 @@ also with ``inline_worker=True``), and with ``clusterenv_sb3.PPO``/``SAC`` (the 
 the workers), without and with ``overlap_collection``; for those the Pong env stacks its frames
 itself (a ``VecFrameStack`` would stack them in the learner, out of the workers' reach). The learner's torch runs one thread, as
 the examples set it; ``--torch-threads 0`` keeps torch's default (one per core), which makes
-every vectorizer with worker processes slower (see the README). The time inside ``collect_rollouts`` and
+every vectorizer with worker processes slower (docs/guides/sb3_quickstart.md). The time inside ``collect_rollouts`` and
 inside ``train`` is reported apart (with overlap, collection runs during training, so ``collect``
 is only the wait for it); ``setup`` is the rest of ``learn()`` (for worker-side inference:
 deploying the policy); ``model`` is the algorithm's construction, before ``learn()`` (for

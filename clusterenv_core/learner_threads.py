@@ -3,7 +3,7 @@
 torch runs its operations on one thread per core by default, and its idle threads (OpenMP) keep
 spinning for a while after each parallel operation. Beside workers that take every core, those
 threads spin on the workers' cores, which made SB3 PPO with ClusterVecEnv up to twice as slow here
-(see the README's "One torch thread in the learner").
+(see "One torch thread in the learner" in docs/guides/sb3_quickstart.md).
 
 ClusterEnv does not change the setting itself: the thread count changes how torch splits its sums,
 hence the last bits of its results (a seeded PPO run gave other parameters with one thread than
@@ -44,7 +44,8 @@ def warn_if_torch_threads_contend(workers_on_this_host: int) -> None:
     _warned = True
     warnings.warn(
         f"torch runs {threads} threads beside {workers_on_this_host} ClusterEnv workers on {cores} cores, which can "
-        f"slow training up to 2x: call torch.set_num_threads({spare}) (README: 'One torch thread in the learner')",
+        f"slow training up to 2x: call torch.set_num_threads({spare}) "
+        "(docs/guides/sb3_quickstart.md: 'One torch thread in the learner')",
         LearnerThreadsWarning,
         stacklevel=user_stacklevel(),
     )

@@ -8,10 +8,14 @@ stdout, CSV and TensorBoard like SB3's own ``train/`` and ``rollout/`` values).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, cast
 
 from stable_baselines3.common.callbacks import BaseCallback
 
 from clusterenv_core.aaps import SYNC_MODES
+
+if TYPE_CHECKING:
+    from clusterenv_sb3.algorithms import WorkerInferenceMixin
 
 
 class AAPSCallback(BaseCallback):
@@ -72,7 +76,7 @@ class AAPSCallback(BaseCallback):
         self._record()
 
     def _record(self) -> None:
-        sync = self.model.policy_sync
+        sync = cast("WorkerInferenceMixin", self.model).policy_sync  # _init_callback checked it
         if sync is None:
             return
         summary = sync.summary()

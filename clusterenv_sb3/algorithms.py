@@ -39,7 +39,7 @@ Design:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch as th
@@ -54,7 +54,14 @@ from clusterenv_core.rollout import Rollout
 from clusterenv_sb3.cluster_vec_env import ClusterVecEnv
 from clusterenv_sb3.policies import make_deployable
 
-DEFAULT_SYNC = {"mode": "always", "threshold": 0.01, "max_staleness": None, "probe_size": 256}
+if TYPE_CHECKING:  # the mixins below run inside SB3's algorithms, whose attributes they use
+    from stable_baselines3.common.base_class import BaseAlgorithm as _AlgorithmBase
+
+    from clusterenv_core.pool import EnvPool
+else:
+    _AlgorithmBase = object
+
+DEFAULT_SYNC: dict[str, Any] = {"mode": "always", "threshold": 0.01, "max_staleness": None, "probe_size": 256}
 
 
 def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
@@ -62,7 +69,8 @@ def check_cluster_vec_env(env: Any, algorithm: str) -> ClusterVecEnv:
     if isinstance(env, ClusterVecEnv):
         return env
     if isinstance(env, VecEnvWrapper):
-        chain, inner = [], env
+        chain: list[str] = []
+        inner: VecEnv = env
         while isinstance(inner, VecEnvWrapper):
             chain.append(type(inner).__name__)
             inner = inner.venv
@@ -138,7 +146,7 @@ def _copy(obs: Any) -> Any:
 class _Segment:
     """One rollout read as SB3's VecEnv would have returned it, step by step."""
 
-    def __init__(self, rollout: Rollout, env: ClusterVecEnv) -> None:
+    def __init__(self, rollout: Rollout, env: VecEnv) -> None:
         self.rollout = rollout
         self.env = env
         self.dones = rollout.dones
@@ -173,7 +181,7 @@ class _Segment:
 _DEPLOY_MODULES = ("torch", "clusterenv_sb3.policies")
 
 
-class WorkerInferenceMixin:
+class WorkerInferenceMixin(_AlgorithmBase):
     """What PPO and DQN share: the env check, deployment, segments, overlap and the sync after updates."""
 
     env: VecEnv | None
@@ -192,7 +200,7 @@ class WorkerInferenceMixin:
         self.overlap_collection = bool(overlap_collection)
         self._sync_config = dict(DEFAULT_SYNC)
         self._policy_sync = None
-        self._deployed_pool = None
+        self._deployed_pool: EnvPool | None = None
         self._weights_after_learn: dict[str, th.Tensor] | None = None  # to see weights loaded in between
         self._started: tuple[int, dict] | None = None  # (n_steps, context) of a segment being collected
         self._learn_started = False  # no segment requested yet in this learn()
@@ -232,8 +240,15 @@ class WorkerInferenceMixin:
         if self._policy_sync is not None:
             self._apply_sync_config()
 
+    @property
+    def _sync(self) -> PolicySync:
+        """The sync of the deployed policy, which exists once learning started."""
+        if self._policy_sync is None:
+            raise ClusterEnvError(f"{type(self).__name__} has deployed no policy yet: learning has not started")
+        return self._policy_sync
+
     def _apply_sync_config(self) -> None:
-        self._policy_sync.configure(**self._sync_config)
+        self._sync.configure(**self._sync_config)
 
     def set_env(self, env: Any, force_reset: bool = True) -> None:
         # Check what SB3 would make of env (it may add VecTransposeImage) before adopting it.
@@ -266,14 +281,14 @@ class WorkerInferenceMixin:
     def _ensure_deployed(self) -> None:
         """Deploy the policy on the env's pool once, and again when another policy replaced it there.
         Later learn() calls keep the workers' weights as the sync left them (see :meth:`_rollout`)."""
-        pool = self.env.pool
+        pool = check_cluster_vec_env(self.env, self._algorithm_name()).pool
         sync = self._policy_sync
         acting = self._acting_policy()
         if (
             sync is None
             or self._deployed_pool is not pool
             or pool.actors is not sync.actors  # another model deployed its policy on the pool since
-            or sync.policy.acting_module() is not acting
+            or cast(Any, sync.policy).acting_module() is not acting
         ):
             learner = self._make_deployable(acting)
             actors = pool.deploy(learner.deployable_copy(), seed=self.seed)
@@ -296,7 +311,7 @@ class WorkerInferenceMixin:
             self._learner_threads = _LearnerThreads(spare_cores(pool.workers_on_this_host * pool.processes_per_worker))
         failed = True
         try:
-            learned = super().learn(*args, **kwargs)
+            learned = super().learn(*args, **kwargs)  # type: ignore[safe-super]  # the SB3 algorithm's, next in the MRO
             failed = False
             return learned
         finally:
@@ -319,7 +334,7 @@ class WorkerInferenceMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> None:
         """SB3's update, then the sync decision (push the new weights, or not)."""
-        super().train(*args, **kwargs)
+        super().train(*args, **kwargs)  # type: ignore[misc]  # the SB3 algorithm's, next in the MRO
         if self._policy_sync is not None:
             self._policy_sync.after_update()
 
@@ -334,7 +349,7 @@ class WorkerInferenceMixin:
         env = check_cluster_vec_env(env, self._algorithm_name())
         if self._deployed_pool is not env.pool:
             raise RuntimeError("the policy is not deployed on this env's workers: learn() deploys it")
-        sync = self._policy_sync
+        sync = self._sync
         n_steps, context = self._segment_request()
         if self._learn_started:
             self._learn_started = False
@@ -373,7 +388,7 @@ class WorkerInferenceMixin:
         """
         if self.overlap_collection and self.num_timesteps + uncounted < self._total_timesteps and self._started is None:
             n_steps, context = self._segment_request()
-            self._policy_sync.actors.rollout_async(n_steps, context)
+            self._sync.actors.rollout_async(n_steps, context)
             self._started = (n_steps, context)
 
     def _drain_started(self, quiet: bool = True) -> None:
@@ -387,7 +402,7 @@ class WorkerInferenceMixin:
             return
         self._started = None
         try:
-            rollout = self._policy_sync.actors.rollout_wait()
+            rollout = self._sync.actors.rollout_wait()
         except Exception:
             self._last_obs = None  # SB3's _setup_learn resets the envs then
             if quiet:  # a failed pool also says so at its next use

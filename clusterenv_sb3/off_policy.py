@@ -8,7 +8,7 @@ the segment's context; what the algorithms share with the on-policy ones is in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import stable_baselines3 as sb3
@@ -23,8 +23,13 @@ from stable_baselines3.common.vec_env import VecEnv
 from clusterenv_sb3.algorithms import WorkerInferenceMixin, _copy, _Segment
 from clusterenv_sb3.policies import TD3ActorDeployable
 
+if TYPE_CHECKING:  # the mixin runs inside SB3's DQN, SAC and TD3, whose attributes it uses
+    from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm as _OffPolicyBase
+else:
+    _OffPolicyBase = object
 
-class OffPolicyWorkerInferenceMixin(WorkerInferenceMixin):
+
+class OffPolicyWorkerInferenceMixin(WorkerInferenceMixin, _OffPolicyBase):
     """Off-policy collection (DQN, SAC, TD3): segments of ``train_freq`` steps stored in SB3's replay
     buffer, transition by transition, as SB3's ``collect_rollouts`` stores them."""
 
@@ -142,16 +147,21 @@ def _noise_parameters(action_noise: Any, shape: tuple[int, ...]) -> tuple[np.nda
     return np.broadcast_to(base._mu, shape).astype(np.float64), np.broadcast_to(base._sigma, shape).astype(np.float64)
 
 
+def _box_shape(space: spaces.Space) -> tuple[int, ...]:
+    """The shape of SAC's and TD3's action space, a Box (their constructors refuse others)."""
+    return cast(spaces.Box, space).shape
+
+
 class _ActorWorkerInferenceMixin(OffPolicyWorkerInferenceMixin):
     """SAC and TD3 (whose constructors refuse action spaces other than Box): the actor acts on the
     workers; warm-up and exploration noise travel as the context."""
 
     def _acting_policy(self) -> th.nn.Module:
-        return self.policy.actor
+        return cast(th.nn.Module, self.policy.actor)
 
     def _segment_request(self) -> tuple[int, dict]:
         steps = self._segment_steps()
-        noise = _noise_parameters(self.action_noise, self.action_space.shape)
+        noise = _noise_parameters(self.action_noise, _box_shape(self.action_space))
         # SB3 samples uniformly before learning starts (decided here per segment, as DQN's rate).
         return steps, {"random": self.num_timesteps < self.learning_starts, "noise": noise}
 
@@ -186,6 +196,6 @@ class TD3(_ActorWorkerInferenceMixin, sb3.TD3):
     """
 
     def _make_deployable(self, acting: th.nn.Module) -> Any:
-        noise = _noise_parameters(self.action_noise, self.action_space.shape)
+        noise = _noise_parameters(self.action_noise, _box_shape(self.action_space))
         # AAPS compares the actor's flat outputs: sigma per output.
-        return TD3ActorDeployable(acting, None if noise is None else noise[1].reshape(-1))
+        return TD3ActorDeployable(cast(Any, acting), None if noise is None else noise[1].reshape(-1))

@@ -7,7 +7,7 @@ share with the off-policy ones is in :mod:`clusterenv_sb3.algorithms`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import stable_baselines3 as sb3
@@ -20,6 +20,11 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from clusterenv_sb3.algorithms import WorkerInferenceMixin, _copy, _Segment
 
+if TYPE_CHECKING:  # the mixin runs inside SB3's PPO and A2C, whose attributes it uses
+    from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm as _OnPolicyBase
+else:
+    _OnPolicyBase = object
+
 
 def _flatten(obs: Any, leading: int) -> Any:
     """Merge the first two axes (time, env) into one batch axis."""
@@ -28,7 +33,7 @@ def _flatten(obs: Any, leading: int) -> Any:
     return obs.reshape(leading, *obs.shape[2:])
 
 
-class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
+class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin, _OnPolicyBase):
     """On-policy collection (PPO, A2C) from worker-collected segments, filling SB3's ``RolloutBuffer``."""
 
     max_behaviour_weight: float
@@ -96,7 +101,7 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
         behaviour_weights = np.minimum(
             np.exp(all_log_probs.cpu().numpy() - rollout.log_probs), self.max_behaviour_weight
         ).astype(np.float32)
-        sync = self._policy_sync
+        sync = self._sync
         if sync.workers_current():
             # Steps taken with the learner's own weights are SB3's on-policy steps, of weight 1
             # exactly: log-probabilities recomputed over the whole segment differ from the workers'
@@ -135,7 +140,8 @@ class OnPolicyWorkerInferenceMixin(WorkerInferenceMixin):
             # Handle timeout by bootstrapping with the value function (values computed above), in
             # place as SB3 does: the callbacks' locals hold this array.
             rewards[:] = bootstrapped_rewards[t]
-            rollout_buffer.add(obs, actions, rewards, self._last_episode_starts, values, log_probs)
+            episode_starts = cast(np.ndarray, self._last_episode_starts)  # set by SB3's _setup_learn
+            rollout_buffer.add(obs, actions, rewards, episode_starts, values, log_probs)
             self._last_obs = new_obs
             self._last_episode_starts = dones
 

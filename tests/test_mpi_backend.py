@@ -329,7 +329,7 @@ def test_learner_gives_up_on_a_rank_that_never_starts_mpi(monkeypatch):
     job; the learner's wait in MPI_Init is bounded by the connect timeout instead.
 
     The learner ends inside MPI_Init, holding the GIL, so nothing removes the segment MPICH created
-    there: the one case that leaves one (README, "MPI backend"). The test removes it.
+    there: the one case that leaves one (docs/mpi.md, "Shared memory"). The test removes it.
     """
     monkeypatch.setenv("CLUSTERENV_MPI_CONNECT_TIMEOUT", "5")
     before = shm_names()

@@ -12,13 +12,13 @@ need and never re-runs the user's ``__main__``. It gets two file descriptors:
 - an anonymous memory file (``memfd``) holding the batch buffers. It has no name in ``/dev/shm``,
   so nothing is left behind however the processes end.
 
-Signalling went through measurement (``benchmarks/signalling.py``, ``benchmarks/throughput.py``);
-see the README. Workers sleep in the kernel between requests, except that the first ``cores - 1``
-of them poll for up to ``worker_spin`` seconds after each reply before they sleep: a learner that
-answers within that time reaches them without a wake-up, and with at most ``cores - 1`` spinners
-the learner always has a core of its own. With ``inline_worker`` the last worker runs in the
-learner's process instead (:mod:`~.inline`), and the learner polls for replies as those workers
-poll for requests.
+Signalling went through measurement (``benchmarks/signalling.py``, ``benchmarks/throughput.py``;
+see docs/guides/what_bounds_the_step.md). Workers sleep in the kernel between requests, except
+that the first ``cores - 1`` of them poll for up to ``worker_spin`` seconds after each reply before
+they sleep: a learner that answers within that time reaches them without a wake-up, and with at
+most ``cores - 1`` spinners the learner always has a core of its own. With ``inline_worker`` the
+last worker runs in the learner's process instead (:mod:`~.inline`), and the learner polls for
+replies as those workers poll for requests.
 
 Modules, one concept each: :mod:`~.transport` (:class:`LocalTransport`, the learner's side),
 :mod:`~.worker` (:class:`LocalWorkerConnection`, a worker process's side), :mod:`~.message_socket`
