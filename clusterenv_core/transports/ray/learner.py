@@ -89,7 +89,8 @@ class RayTransport(Transport):
         self.failed: set[int] = set()
         self._closed = False
         self._group: Any = None
-        self._actors: list[Any] = []
+        #: the Ray actor of each worker (for Ray's own tools)
+        self.actors: list[Any] = []
         self._where: list[dict[str, Any]] = []  # per worker: pid, host, node
         self._pending: list[tuple[bytes, list] | None] = []  # per worker: a request not submitted yet
         self._calls: list[collections.deque] = []  # per worker: (call number, ref) of unread requests
@@ -106,7 +107,7 @@ class RayTransport(Transport):
 
     @property
     def num_workers(self) -> int:
-        return len(self._actors)
+        return len(self.actors)
 
     def default_num_workers(self) -> int | None:
         """One actor per alive node with CPUs (connecting to Ray, or starting it, to count them)."""
@@ -123,10 +124,12 @@ class RayTransport(Transport):
     # -- start ------------------------------------------------------------------------------------
 
     def start(self, num_workers: int, timeout: float) -> None:
-        timeout = max(timeout, _START_TIMEOUT)
         connect(self.address, self.init_options)
+        # Reserving the resources is bounded by the pool's timeout (raise it on a cluster that scales
+        # up); starting an actor's process and its imports at least by the start timeout.
         self._group = place(num_workers, self.cpus_per_actor, strategy_for(num_workers, self.placement), timeout)
-        self._actors = [None] * num_workers
+        timeout = max(timeout, _START_TIMEOUT)
+        self.actors = [None] * num_workers
         self._where = [{"pid": 0, "host": "?", "node": None} for _ in range(num_workers)]
         self._pending = [None] * num_workers
         self._calls = [collections.deque() for _ in range(num_workers)]
@@ -135,8 +138,8 @@ class RayTransport(Transport):
         self._last_contact = [time.monotonic()] * num_workers
         atexit.register(self._at_exit)  # after ray.init's own: runs before Ray shuts down
         for worker in range(num_workers):
-            self._actors[worker] = self._new_actor(worker)
-        hellos = [actor.hello.remote() for actor in self._actors]
+            self.actors[worker] = self._new_actor(worker)
+        hellos = [actor.hello.remote() for actor in self.actors]
         for worker, hello in enumerate(hellos):
             self._where[worker] = self._result(worker, hello, timeout, "start")
 
@@ -193,7 +196,7 @@ class RayTransport(Transport):
         data, array_refs = self._pending[worker]
         self._pending[worker] = None
         self._call += 1
-        actor, calls = self._actors[worker], self._calls[worker]
+        actor, calls = self.actors[worker], self._calls[worker]
         if calls:
             # Queued behind a call that may be collecting a segment: the worker ends it early.
             actor.interrupt.remote(calls[-1][0])
@@ -256,7 +259,7 @@ class RayTransport(Transport):
                 inbox.extend(self._result(worker, ref, 0.0, "a request"))
             else:
                 # What the call sent so far: progress restarts the timeout.
-                sent = self._result(worker, self._actors[worker].interim.remote(number), _INTERIM_TIMEOUT, "progress")
+                sent = self._result(worker, self.actors[worker].interim.remote(number), _INTERIM_TIMEOUT, "progress")
                 if not sent:
                     raise self._timed_out(worker, timeout)
                 inbox.extend(sent)
@@ -294,7 +297,7 @@ class RayTransport(Transport):
         block = self._buffer_blocks[worker]
         # Ray serializes the arguments here: the learner may write the next actions at once.
         actions = [array[block.start : block.stop] for array in self._buffers.actions]
-        self._steps[worker] = self._actors[worker].step.remote(actions)
+        self._steps[worker] = self.actors[worker].step.remote(actions)
         self._last_contact[worker] = time.monotonic()
 
     def recv_step(self, worker: int, timeout: float) -> Any:
@@ -347,15 +350,15 @@ class RayTransport(Transport):
         was lost to a node with room, if any)."""
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the Ray transport is closed")
-        ray.kill(self._actors[worker], no_restart=True)
+        ray.kill(self.actors[worker], no_restart=True)
         self._pending[worker], self._steps[worker] = None, None
         self._calls[worker].clear()
         self._inbox[worker].clear()
         self._where[worker] = {"pid": 0, "host": "?", "node": None}
-        self._actors[worker] = self._new_actor(worker)
+        self.actors[worker] = self._new_actor(worker)
         self.failed.discard(worker)
         self._last_contact[worker] = time.monotonic()
-        hello = self._actors[worker].hello.remote()
+        hello = self.actors[worker].hello.remote()
         self._where[worker] = self._result(worker, hello, max(timeout, _START_TIMEOUT), "start")
 
     def close(self, timeout: float, closed: set[int]) -> None:
@@ -369,7 +372,7 @@ class RayTransport(Transport):
             self._release()
 
     def _release(self) -> None:
-        actors, self._actors = [actor for actor in self._actors if actor is not None], []
+        actors, self.actors = [actor for actor in self.actors if actor is not None], []
         group, self._group = self._group, None
         self._pending, self._calls, self._inbox, self._steps = [], [], [], []
         self._shared, self._buffers, self._rows, self._regions = None, None, [], {}

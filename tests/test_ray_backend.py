@@ -1,0 +1,172 @@
+"""The Ray backend (``backend="ray"``): results of ``DummyVecEnv`` and ``SyncVectorEnv`` exactly, flat
+actors and node agents; per-env calls, asynchronous batches, worker-side inference; failing, hanging
+and killed actors; nothing left after close. Every test shares one Ray instance of two CPUs (the
+``ray_session`` fixture), started by the first of them; all are marked ``slow``, which the fast loop
+(``-m "not slow"``) skips."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+
+from clusterenv_cleanrl import ClusterVectorEnv  # noqa: E402
+from clusterenv_core import EnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
+from tests.envs import FailingEnv, HangingEnv, cartpole_with_statistics, make_cartpole, make_dict_env  # noqa: E402
+from tests.helpers import run_and_compare, run_side_by_side, wait_for_events  # noqa: E402
+from tests.test_async_batches import (  # noqa: E402
+    check_full_batch_is_sync_vector_env,
+    check_trajectories_match_envs_alone,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
+
+GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
+RAY = {"backend": "ray", "timeout": 30}
+short_cartpole = functools.partial(cartpole_with_statistics, max_episode_steps=40)
+
+
+def _failing_at(fail_at: int) -> gym.Env:
+    return FailingEnv(gym.make("CartPole-v1"), fail_at=fail_at)
+
+
+def _hanging(path: str) -> gym.Env:
+    return HangingEnv(gym.make("CartPole-v1"), hang_at=2, hanging=path)
+
+
+def _processes(pids: list[int]) -> list:
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            processes += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return processes
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_vec_env_is_dummy_vec_env(no_leaks, processes):
+    for env_fn in (make_cartpole, make_dict_env):
+        episodes, _ = run_side_by_side([env_fn] * 4, steps=200, num_workers=2, processes_per_worker=processes, **RAY)
+        assert episodes > 3
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_vector_env_is_sync_vector_env(no_leaks, processes):
+    mode = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP} if GYMNASIUM_1 else {}
+    env_fns = [short_cartpole] * 4
+    cluster = ClusterVectorEnv(env_fns, num_workers=2, processes_per_worker=processes, **mode, **RAY)
+    sync = gym.vector.SyncVectorEnv(env_fns, **mode)
+    with cluster:
+        counts = run_and_compare(cluster, sync, 200, seed=1)
+    sync.close()
+    assert counts["terminated"] > 3 and counts["truncated"] > 3, counts
+
+
+def test_per_env_calls(no_leaks):
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 5
+    with EnvPool(env_fns, num_workers=2, **RAY) as pool:
+        pool.set_attr("marker", ["a", "b", "c"], indices=[4, 0, 2])
+        assert pool.get_attr("marker", indices=[0, 2, 4]) == ["b", "c", "a"]
+        assert pool.call("has_wrapper_attr", ["marker"], indices=[-1]) == [True]
+        assert pool.get_attr("spec", indices=[3])[0].id == "CartPole-v1"
+        with pytest.raises(IndexError):
+            pool.get_attr("spec", indices=[5])
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="next-step autoreset is gymnasium 1.x's SyncVectorEnv")
+def test_async_batches(no_leaks):
+    check_trajectories_match_envs_alone(4, recvs=100, **RAY)
+    check_full_batch_is_sync_vector_env(steps=100, **RAY)
+
+
+def test_a_failing_env_is_named_with_its_remote_traceback_and_the_actor_lives_on(no_leaks):
+    env_fns = [make_cartpole] * 3 + [functools.partial(_failing_at, 2)]
+    with EnvPool(env_fns, num_workers=2, **RAY) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        pids = pool.worker_pids
+        pool.step(np.zeros(4, dtype=np.int64))
+        with pytest.raises(EnvError) as caught:
+            pool.step(np.zeros(4, dtype=np.int64))
+        error = caught.value
+        assert (error.env_index, error.worker_index, error.exc_type) == (3, 1, "builtins.ValueError")
+        assert "injected failure at step 2" in str(error) and "in step" in error.remote_traceback
+        pool.reset()
+        pool.step(np.zeros(4, dtype=np.int64))
+        assert pool.worker_pids == pids
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_killed_actor_is_a_worker_lost_error_naming_it(no_leaks, how):
+    import ray
+
+    pool = EnvPool([make_cartpole] * 4, num_workers=2, **RAY)
+    try:
+        pool.reset(seeds=[0, 1, 2, 3])
+        if how == "SIGKILL":
+            os.kill(pool.worker_pids[1], signal.SIGKILL)
+        else:
+            ray.kill(pool._transport.actors[1])
+        began = time.monotonic()
+        with pytest.raises(WorkerLostError, match=r"worker 1 \(Ray actor, pid \d+ on .*, envs 2-3\) died"):
+            pool.step(np.zeros(4, dtype=np.int64))
+        assert time.monotonic() - began < 10
+    finally:
+        pool.close()
+
+
+def test_a_hanging_env_is_a_timeout_and_close_kills_the_actor(no_leaks, tmp_path):
+    path = str(tmp_path / "hanging")
+    pool = EnvPool([make_cartpole, functools.partial(_hanging, path)], num_workers=2, backend="ray", timeout=3)
+    try:
+        pool.reset()
+        pool.step(np.zeros(2, dtype=np.int64))
+        began = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match="worker 1"):
+            pool.step(np.zeros(2, dtype=np.int64))
+        assert 3 <= time.monotonic() - began < 10
+        wait_for_events(path, 1)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_close_ends_the_actors_and_what_they_started(no_leaks, processes):
+    pool = EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=processes, **RAY)
+    pool.reset()
+    started = _processes(pool.worker_pids)
+    assert len(started) >= 2 * processes  # an agent's local processes are its children
+    pool.close()
+    deadline = time.monotonic() + 10
+    while any(process.is_running() for process in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(process.is_running() for process in started)
+
+
+def test_bad_options_are_value_errors_before_anything_starts():
+    with pytest.raises(ValueError, match="placement"):
+        EnvPool([make_cartpole], backend="ray", backend_options={"placement": "NEAR"})
+    with pytest.raises(ValueError, match="cpus_per_actor"):
+        EnvPool([make_cartpole], backend="ray", backend_options={"cpus_per_actor": 0})
+    with pytest.raises(ValueError, match="num_cpus"):
+        EnvPool([make_cartpole], backend="ray", backend_options={"actor_options": {"num_cpus": 2}})
+
+
+def test_actors_that_cannot_be_placed_are_a_clear_error(no_leaks):
+    with pytest.raises(WorkerTimeoutError, match="Ray could not place 2 actors of 2 CPUs"):
+        EnvPool([make_cartpole] * 2, num_workers=2, backend="ray", backend_options={"cpus_per_actor": 2}, timeout=1)
+
+
+def test_default_is_one_actor_per_node():
+    with EnvPool([make_cartpole] * 3, backend="ray") as pool:
+        assert pool.num_workers == 1  # the test Ray is one node
