@@ -170,3 +170,99 @@ def test_actors_that_cannot_be_placed_are_a_clear_error(no_leaks):
 def test_default_is_one_actor_per_node():
     with EnvPool([make_cartpole] * 3, backend="ray") as pool:
         assert pool.num_workers == 1  # the test Ray is one node
+
+
+# -- worker-side inference (flat actors) -------------------------------------------------------------
+
+
+def test_rollouts_act_with_each_sync_put_once_for_all_actors(no_leaks, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import ray
+
+    from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout
+
+    puts = []
+    put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kwargs: puts.append(value) or put(value, **kwargs))
+    torch.manual_seed(1)
+    policy = LinearPolicy(greedy=True)
+    seeds = [10, 11, 12, 13]
+    expected, last_obs = reference_rollout(policy, seeds, 60)
+    with EnvPool.make("CartPole-v1", 4, num_workers=2, **RAY) as pool:
+        pool.reset(seeds=seeds)
+        actors = pool.deploy(policy)
+        assert_rollout_matches(actors.rollout(60), expected, last_obs)
+        assert len(puts) == 1  # the deployed weights: one object for both actors
+        with torch.no_grad():
+            policy.linear.weight.neg_()
+        assert actors.publish_weights(policy) == 1
+        second = actors.rollout(5)
+        assert len(puts) == 2 and (second.versions == 1).all()
+        with torch.no_grad():
+            np.testing.assert_array_equal(second.actions[0], policy.linear(torch.as_tensor(second.obs[0])).argmax(-1))
+        # Published while a segment runs: where memory is not shared (as with MPI) the weights go
+        # out with the next segment's request.
+        actors.rollout_async(50)
+        actors.publish_weights(policy)
+        assert (actors.rollout_wait().versions == 1).all() and len(puts) == 2
+        assert (actors.rollout(5).versions == 2).all() and len(puts) == 3
+
+
+def test_a_segment_longer_than_the_timeout_completes_on_progress_and_a_stuck_one_times_out(no_leaks):
+    pytest.importorskip("torch")
+    from tests.test_inference import run_rollout_timeout_checks
+
+    run_rollout_timeout_checks("ray")
+
+
+def test_sb3_ppo_on_ray_actors_collects_what_sb3_collects():
+    pytest.importorskip("stable_baselines3")
+    import stable_baselines3 as sb3
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from clusterenv_sb3 import PPO, ClusterVecEnv
+    from tests.sb3_helpers import assert_same_collection, dummy_vec_env, first_segments
+    from tests.test_sb3_worker_inference import ObsSeededPolicy
+
+    kwargs = dict(policy=ObsSeededPolicy, n_steps=32, batch_size=64, n_epochs=2)
+    reference = first_segments(sb3.PPO, dummy_vec_env("CartPole-v1", max_episode_steps=25), 2, **kwargs)
+    env = make_vec_env(
+        "CartPole-v1",
+        n_envs=4,
+        seed=0,
+        env_kwargs={"max_episode_steps": 25},
+        vec_env_cls=ClusterVecEnv,
+        vec_env_kwargs={"num_workers": 2, **RAY},
+    )
+    try:
+        ours = first_segments(PPO, env, 2, **kwargs)
+        assert_same_collection(ours, reference)
+        assert ours[0].policy_sync.stats.syncs == 1 and env.pool.actors.policy_version == 1
+    finally:
+        env.close()
+
+
+# -- the fuzzer, briefly -----------------------------------------------------------------------------
+
+
+def test_fuzz_through_ray_actors():
+    """A few of the differential fuzzer's scenarios (tests/test_fuzz.py) through Ray actors, flat and
+    as node agents: ClusterVecEnv == DummyVecEnv and ClusterVectorEnv == SyncVectorEnv."""
+    from hypothesis import given, settings
+
+    from tests import test_fuzz
+
+    brief = settings(test_fuzz.FUZZ, max_examples=3)
+
+    @brief
+    @given(test_fuzz.SB3_SCENARIOS.filter(test_fuzz._agent_blocks))
+    def vec_env(scenario):
+        test_fuzz.check_vec_env(scenario, backend="ray", processes_per_worker=1 + scenario["seed"] % 2)
+
+    @brief
+    @given(test_fuzz.SCENARIOS)
+    def vector_env(scenario):
+        test_fuzz.check_vector_env(scenario, test_fuzz.AUTORESET_MODES[0], backend="ray")
+
+    vec_env()
+    vector_env()

@@ -2,13 +2,14 @@
 worker program's :class:`~clusterenv_core.worker.serving.Worker` over a :class:`RayWorkerConnection`.
 
 The learner reaches an actor with one Ray call per request: :meth:`WorkerActor.request` carries the
-pickled request (and the arrays that follow it, policy weights) and returns everything the worker
-sent in answer (interim and final replies, the result rows and segment arrays that follow one);
-:meth:`WorkerActor.step` carries the block's action rows and returns the result rows. The envs run
-on the actor's request thread (the default concurrency group, one thread, always the same one). A
-second group, ``control``, lets the learner read the interim replies of a long call (a rollout
-segment's progress, which restarts the learner's timeout) and tell a call that another request
-is waiting (the worker then ends its segment early), while the request thread is busy.
+pickled request and returns everything the worker sent in answer (interim and final replies, the
+result rows and segment arrays that follow one); :meth:`WorkerActor.step` carries the block's
+action rows and returns the result rows. The envs run on the actor's request thread (the default
+concurrency group: one thread, always the same one). A second group, ``control``, serves the learner
+while the request thread is busy: the arrays that follow a request (policy weights, put in Ray's
+object store once for all actors), the interim replies of a long call (a rollout segment's
+progress, which restarts the learner's timeout), and word that another request is waiting (the
+worker then ends its segment early).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,9 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field, field_views,
 from clusterenv_core.protocol import OK_NONE, STEP, dumps, loads
 from clusterenv_core.transports.base import WorkerConnection
 from clusterenv_core.worker.serving import Worker
+
+#: how long a worker waits for the arrays that follow its request (the learner sends them right after)
+ARRAYS_TIMEOUT = 300.0
 
 #: what an actor's outbox holds: ``("reply", pickled reply)``, ``("rows", result rows)`` or
 #: ``("arrays", arrays)``, in the order the worker sent them
@@ -43,9 +48,9 @@ class RayWorkerConnection(WorkerConnection):
     sent in answer, for the actor's call to return."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # the outbox is read by the control group's thread too
+        self._lock = threading.Condition()  # the control group's thread reads the outbox and delivers arrays
         self._request: bytes | None = None
-        self._delivered: list[list[np.ndarray]] = []
+        self._delivered: dict[int, list[list[np.ndarray]]] = {}  # by call
         self._outbox: list[tuple[int, Item]] = []  # (call, item)
         self._call = 0
         self._interrupted = threading.Event()
@@ -54,21 +59,27 @@ class RayWorkerConnection(WorkerConnection):
 
     # -- driven by the actor -----------------------------------------------------------------------
 
-    def begin(self, call: int, request: bytes | None, arrays: tuple[list[np.ndarray], ...]) -> None:
-        """A call of the learner starts: number ``call``, carrying ``request`` and ``arrays``."""
+    def begin(self, call: int, request: bytes) -> None:
+        """A call of the learner starts: number ``call``, carrying ``request``."""
         with self._lock:
             self._call = call
             self._interrupted.clear()
+            for earlier in [number for number in self._delivered if number < call]:
+                del self._delivered[earlier]  # arrays of a request that failed before reading them
         self._request = request
-        self._delivered = list(arrays)
 
     def end(self) -> list[Item]:
         """What the worker sent during the call (less what :meth:`interim` handed out already)."""
         with self._lock:
             items = [item for _, item in self._outbox]
             self._outbox = []
-        self._delivered = []
         return items
+
+    def deliver(self, call: int, arrays: list[np.ndarray]) -> None:
+        """Arrays that follow the request of call ``call``, which may be running, or yet to run."""
+        with self._lock:
+            self._delivered.setdefault(call, []).append(arrays)
+            self._lock.notify_all()
 
     def interim(self, call: int) -> list[Item]:
         """What call ``call`` sent so far, taken out of the outbox (nothing once another call runs)."""
@@ -124,10 +135,16 @@ class RayWorkerConnection(WorkerConnection):
         self._put(("arrays", [np.array(array) for array in arrays]))
 
     def recv_arrays(self, arrays: list) -> None:
-        if not self._delivered:
-            raise RuntimeError("the request came without the arrays that should follow it")
-        for array, delivered in zip(arrays, self._delivered.pop(0)):
-            array[...] = delivered
+        deadline = time.monotonic() + ARRAYS_TIMEOUT
+        with self._lock:
+            while not self._delivered.get(self._call):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the arrays that follow the request did not come within {ARRAYS_TIMEOUT:g} s")
+                self._lock.wait(left)
+            delivered = self._delivered[self._call].pop(0)
+        for array, values in zip(arrays, delivered):
+            array[...] = values
 
 
 def _agent_block(*arguments: object) -> object:
@@ -154,11 +171,10 @@ class WorkerActor:
         """Where this actor runs: its pid, host name and Ray node id."""
         return {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id()}
 
-    def request(self, call: int, request: bytes, *arrays: list[np.ndarray]) -> list[Item]:
-        """Serve one request (call number ``call``), with the arrays that follow it; returns what the
-        worker sent in answer."""
+    def request(self, call: int, request: bytes) -> list[Item]:
+        """Serve one request (call number ``call``); returns what the worker sent in answer."""
         connection = self.connection
-        connection.begin(call, request, arrays)
+        connection.begin(call, request)
         if self.worker.handle(connection.recv()):
             self.worker.shutdown()  # told to close: the envs are closed, the learner ends the actor
         return connection.end()
@@ -172,6 +188,10 @@ class WorkerActor:
         self.worker.handle(STEP)
         ended = bool(buffers.final_obs) and bool(buffers.terminated.any() or buffers.truncated.any())
         return self.connection.step_reply(), result_rows(buffers, ended)
+
+    @ray.method(concurrency_group="control")
+    def deliver(self, call: int, arrays: list[np.ndarray]) -> None:
+        self.connection.deliver(call, arrays)
 
     @ray.method(concurrency_group="control")
     def interim(self, call: int) -> list[Item]:

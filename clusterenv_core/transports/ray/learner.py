@@ -1,15 +1,16 @@
 """RayTransport: the learner side of the Ray backend.
 
 Each worker is a :class:`~clusterenv_core.transports.ray.actor.WorkerActor` in a bundle of the
-pool's placement group. A request is one Ray call per actor (``request``), submitted when the
-learner next waits on any worker (a request's arrays, policy weights, are sent right after it and
-ride in the same call); a step is one call per actor (``step``) carrying the block's action rows
-as numpy arrays and returning the result rows. Ray serializes numpy arrays without pickling their
-data (pickle protocol 5 buffers; inline in the call below 100 KB, through the object store
-above): measured on this machine with 2 busy cores, a CartPole step of an actor with 4 envs costs
-about 1.4 ms per round trip, the same as a call carrying no arrays, so the rows add nothing
-noticeable. Arrays sent to several workers in a row that are equal (the weights of one sync) go
-into the object store once, and every actor's call refers to that one copy.
+pool's placement group. A request is one Ray call per actor (``request``); a step is one call per
+actor (``step``) carrying the block's action rows as numpy arrays and returning the result rows.
+Ray serializes numpy arrays without pickling their data (pickle protocol 5 buffers; inline in the
+call below 100 KB, through the object store above). Measured on this machine (2 cores, busy), a
+step of an actor holding 4 CartPole envs costs about 1.4 ms per round trip, as much as a call that
+carries no arrays: the rows add nothing noticeable. The arrays that follow a request (policy
+weights) are put into the object store and handed to the actor by reference in a second call, to
+the actor's ``control`` group (the request may already be running and waiting for them); equal
+arrays sent to several workers in a row (the weights of one sync) are put once, and every actor
+reads that one copy.
 
 Every wait is bounded by the pool's timeout counted from the last contact with the worker: a call
 still running then is asked for what it sent so far (a rollout segment's progress, which restarts
@@ -92,7 +93,6 @@ class RayTransport(Transport):
         #: the Ray actor of each worker (for Ray's own tools)
         self.actors: list[Any] = []
         self._where: list[dict[str, Any]] = []  # per worker: pid, host, node
-        self._pending: list[tuple[bytes, list] | None] = []  # per worker: a request not submitted yet
         self._calls: list[collections.deque] = []  # per worker: (call number, ref) of unread requests
         self._inbox: list[collections.deque] = []  # per worker: what finished calls sent, not yet read
         self._steps: list[Any] = []  # per worker: the ref of the step in flight
@@ -131,7 +131,6 @@ class RayTransport(Transport):
         timeout = max(timeout, _START_TIMEOUT)
         self.actors = [None] * num_workers
         self._where = [{"pid": 0, "host": "?", "node": None} for _ in range(num_workers)]
-        self._pending = [None] * num_workers
         self._calls = [collections.deque() for _ in range(num_workers)]
         self._inbox = [collections.deque() for _ in range(num_workers)]
         self._steps = [None] * num_workers
@@ -166,16 +165,19 @@ class RayTransport(Transport):
             data = dumps(message)
         except KeyboardInterrupt:
             raise RequestNotSent from None
-        if self._pending[worker] is not None:
-            self._submit(worker)
-        self._pending[worker] = (data, [])
+        self._call += 1
+        actor, calls = self.actors[worker], self._calls[worker]
+        if calls:
+            # Queued behind a call that may be collecting a segment: the worker ends it early.
+            actor.interrupt.remote(calls[-1][0])
+        calls.append((self._call, actor.request.remote(self._call, data)))
         self._last_contact[worker] = time.monotonic()
 
     def send_arrays(self, worker: int, arrays: list) -> None:
-        pending = self._pending[worker]
-        if pending is None:
+        calls = self._calls[worker]
+        if not calls:
             raise ClusterEnvError(f"arrays for worker {worker} without a request before them")
-        pending[1].append(self._put(arrays))
+        self.actors[worker].deliver.remote(calls[-1][0], self._put(arrays))
 
     def _put(self, arrays: list) -> Any:
         """An object holding copies of ``arrays``: the last one put if its arrays are equal (the
@@ -191,22 +193,6 @@ class RayTransport(Transport):
         ref = ray.put(copies)
         self._shared = (ref, copies)
         return ref
-
-    def _submit(self, worker: int) -> None:
-        data, array_refs = self._pending[worker]
-        self._pending[worker] = None
-        self._call += 1
-        actor, calls = self.actors[worker], self._calls[worker]
-        if calls:
-            # Queued behind a call that may be collecting a segment: the worker ends it early.
-            actor.interrupt.remote(calls[-1][0])
-        calls.append((self._call, actor.request.remote(self._call, data, *array_refs)))
-
-    def _flush(self) -> None:
-        """Submit the requests sent and not submitted yet (each waited for its arrays)."""
-        for worker, pending in enumerate(self._pending):
-            if pending is not None:
-                self._submit(worker)
 
     def _describe(self, worker: int) -> str:
         where = self._where[worker]
@@ -247,7 +233,6 @@ class RayTransport(Transport):
     def _next(self, worker: int, kind: str, timeout: float) -> Any:
         """The next thing the worker sent, which must be of ``kind``."""
         self._check_open(worker)
-        self._flush()
         inbox = self._inbox[worker]
         while not inbox:
             calls = self._calls[worker]
@@ -293,7 +278,6 @@ class RayTransport(Transport):
 
     def send_step(self, worker: int) -> None:
         self._check_open(worker)
-        self._flush()
         block = self._buffer_blocks[worker]
         # Ray serializes the arguments here: the learner may write the next actions at once.
         actions = [array[block.start : block.stop] for array in self._buffers.actions]
@@ -302,7 +286,6 @@ class RayTransport(Transport):
 
     def recv_step(self, worker: int, timeout: float) -> Any:
         self._check_open(worker)
-        self._flush()
         ref = self._steps[worker]
         if ref is None:
             raise ClusterEnvError(f"recv_step without send_step for worker {worker}")
@@ -315,7 +298,6 @@ class RayTransport(Transport):
         return OK_NONE if reply is None else loads(reply, "the learner")
 
     def wait_steps(self, workers: list[int], timeout: float) -> list[int]:
-        self._flush()
         refs = {}
         for worker in workers:
             if self._steps[worker] is None:
@@ -351,7 +333,7 @@ class RayTransport(Transport):
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the Ray transport is closed")
         ray.kill(self.actors[worker], no_restart=True)
-        self._pending[worker], self._steps[worker] = None, None
+        self._steps[worker] = None
         self._calls[worker].clear()
         self._inbox[worker].clear()
         self._where[worker] = {"pid": 0, "host": "?", "node": None}
@@ -374,7 +356,7 @@ class RayTransport(Transport):
     def _release(self) -> None:
         actors, self.actors = [actor for actor in self.actors if actor is not None], []
         group, self._group = self._group, None
-        self._pending, self._calls, self._inbox, self._steps = [], [], [], []
+        self._calls, self._inbox, self._steps = [], [], []
         self._shared, self._buffers, self._rows, self._regions = None, None, [], {}
         if not ray.is_initialized():
             return  # Ray was shut down first, which ended the actors and the placement group
