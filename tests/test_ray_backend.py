@@ -19,7 +19,15 @@ pytest.importorskip("ray")
 
 from clusterenv_cleanrl import ClusterVectorEnv  # noqa: E402
 from clusterenv_core import EnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
-from tests.envs import FailingEnv, HangingEnv, cartpole_with_statistics, make_cartpole, make_dict_env  # noqa: E402
+from clusterenv_core.protocol import RESTART_INFO_KEY  # noqa: E402
+from tests.envs import (  # noqa: E402
+    FailingEnv,
+    HangingEnv,
+    SuicidalEnv,
+    cartpole_with_statistics,
+    make_cartpole,
+    make_dict_env,
+)
 from tests.helpers import run_and_compare, run_side_by_side, wait_for_events  # noqa: E402
 from tests.test_async_batches import (  # noqa: E402
     check_full_batch_is_sync_vector_env,
@@ -266,3 +274,45 @@ def test_fuzz_through_ray_actors():
 
     vec_env()
     vector_env()
+
+
+# -- replacing lost actors (restart_failed_workers) -------------------------------------------------
+
+
+def _suicidal_at(die_at: int) -> gym.Env:
+    return SuicidalEnv(gym.make("CartPole-v1"), die_at=die_at)
+
+
+def test_a_lost_actor_is_replaced_and_its_envs_start_new_episodes(no_leaks):
+    env_fns = [make_cartpole] * 3 + [functools.partial(_suicidal_at, 3)]
+    options = {"restart_failed_workers": True, "max_restarts": 1}
+    with EnvPool(env_fns, num_workers=2, **options, **RAY) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        zeros = np.zeros(4, dtype=np.int64)
+        pool.step(zeros)
+        pool.step(zeros)
+        before = [pool.buffers.obs[0][index].copy() for index in range(4)]
+        old_pid = pool.worker_pids[1]
+        result = pool.step(zeros)
+        assert pool.worker_pids[1] != old_pid
+        assert result.truncated.tolist() == [False, False, True, True]
+        for index in (2, 3):
+            assert "worker 1 was replaced (restart 1 of 1)" in result.infos[index][RESTART_INFO_KEY]
+            np.testing.assert_array_equal(result.final_observation(index), before[index])
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        pool.step(zeros)
+        pool.step(zeros)
+        with pytest.raises(WorkerLostError, match="worker 1"):  # the replacement dies too: the budget is spent
+            pool.step(zeros)
+
+
+def test_a_stuck_actor_is_replaced(no_leaks, tmp_path):
+    path = str(tmp_path / "hanging")
+    env_fns = [make_cartpole, functools.partial(_hanging, path)]
+    with EnvPool(env_fns, num_workers=2, backend="ray", timeout=3, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(np.zeros(2, dtype=np.int64))
+        result = pool.step(np.zeros(2, dtype=np.int64))
+        assert result.truncated.tolist() == [False, True]
+        assert "did not answer within 3 s" in result.infos[1][RESTART_INFO_KEY]
+        assert pool.step(np.zeros(2, dtype=np.int64)).rewards.tolist() == [1.0, 1.0]
