@@ -316,3 +316,23 @@ def test_a_stuck_actor_is_replaced(no_leaks, tmp_path):
         assert result.truncated.tolist() == [False, True]
         assert "did not answer within 3 s" in result.infos[1][RESTART_INFO_KEY]
         assert pool.step(np.zeros(2, dtype=np.int64)).rewards.tolist() == [1.0, 1.0]
+
+
+def test_a_node_lost_mid_steps_is_replaced_on_a_node_added_afterwards():
+    """On a simulated cluster of its own (tests/ray_scripts/lose_a_node.py, in a process of its own):
+    the lost node's actor is replaced, its envs end their episodes truncated and start over, and the
+    time from the loss to the next full step is printed."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "ray_scripts", "lose_a_node.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    start, stop = report["block"]
+    assert report["replaced_envs"] == list(range(start, stop)) and report["new_pid"]
+    assert report["truncated"] == [start <= index < stop for index in range(6)]
+    assert report["restarts"] == {"envs": 0, "workers": 1}
+    print(f"from the node's loss to the next full step: {report['seconds_to_next_full_step']} s")
+    assert report["seconds_to_next_full_step"] < 30
