@@ -217,10 +217,33 @@ def test_rollouts_act_with_each_sync_put_once_for_all_actors(no_leaks, monkeypat
 
 
 def test_a_segment_longer_than_the_timeout_completes_on_progress_and_a_stuck_one_times_out(no_leaks):
+    """As ``tests/test_inference.run_rollout_timeout_checks`` on the local backend, with a timeout of
+    a second (a Ray call's dispatch on two busy cores can take a good part of 0.4 s)."""
     pytest.importorskip("torch")
-    from tests.test_inference import run_rollout_timeout_checks
+    from tests.envs import SlowCartPole
+    from tests.policies import LinearPolicy
 
-    run_rollout_timeout_checks("ray")
+    slow = [functools.partial(SlowCartPole, 0.05)] * 2  # 40 steps: 2 s, twice the timeout
+    with EnvPool(slow, num_workers=2, **RAY) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        assert actors.rollout(40, timeout=1.0).rewards.shape == (40, 2)
+        actors.rollout_async(40, timeout=1.0)  # the wait starts late, as when training overlaps
+        time.sleep(2.5)
+        assert actors.rollout_wait().rewards.shape == (40, 2)
+        actors.rollout_async(400, timeout=1.0)
+        time.sleep(1.0)  # progress reports queue up; closing reads past them and ends the segment early
+        started = time.monotonic()
+        pool.close()
+        assert time.monotonic() - started < 3.0
+    hanging = [functools.partial(gym.make, "CartPole-v1"), functools.partial(HangingEnv, gym.make("CartPole-v1"), 5)]
+    with EnvPool(hanging, num_workers=2, **RAY) as pool:
+        pool.reset()
+        actors = pool.deploy(LinearPolicy())
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match="worker 1"):
+            actors.rollout(100, timeout=1.0)
+        assert time.monotonic() - started < 5.0
 
 
 def test_sb3_ppo_on_ray_actors_collects_what_sb3_collects():
@@ -336,3 +359,44 @@ def test_a_node_lost_mid_steps_is_replaced_on_a_node_added_afterwards():
     assert report["restarts"] == {"envs": 0, "workers": 1}
     print(f"from the node's loss to the next full step: {report['seconds_to_next_full_step']} s")
     assert report["seconds_to_next_full_step"] < 30
+
+
+def test_the_actors_and_their_processes_end_with_a_killed_learner(ray_session, tmp_path):
+    """A learner killed with its pool open (on the session's Ray): Ray ends the actors it owned, and
+    a node agent's local processes end with their actor."""
+    import subprocess
+    import sys
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    address = ray_session.get_runtime_context().gcs_address
+    script = tmp_path / "learner.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import functools, sys, time
+            import gymnasium as gym, ray
+            sys.path.insert(0, {root!r})
+            ray.init(address={address!r}, logging_level="warning")
+            from clusterenv_core import EnvPool
+            env_fns = [functools.partial(gym.make, "CartPole-v1")] * 4
+            pool = EnvPool(env_fns, num_workers=2, processes_per_worker=2, backend="ray")
+            pool.reset()
+            print(*pool.worker_pids, flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in learner.stdout.readline().split()]
+        assert len(pids) == 2
+        started = _processes(pids)
+        assert len(started) > 2
+    finally:
+        learner.kill()
+        learner.wait()
+    deadline = time.monotonic() + 30
+    while any(process.is_running() and process.status() != "zombie" for process in started):
+        assert time.monotonic() < deadline, "actors or their processes outlived the learner"
+        time.sleep(0.1)
