@@ -60,8 +60,9 @@ class EnvPool(NotCopyable):
     :param env_fns: picklable callables that each build one environment (closures and classes
         from ``__main__`` work: they are serialized with cloudpickle); env ids registered in this
         process reach the workers too (see :mod:`clusterenv_core.registry`)
-    :param backend: ``"local"`` (processes on this machine) or ``"mpi"``
-    :param num_workers: number of workers (default: the worker ranks of an MPI launch, else
+    :param backend: ``"local"`` (processes on this machine), ``"mpi"`` or ``"ray"`` (docs/ray.md)
+    :param num_workers: number of workers (default: the worker ranks of an MPI launch, a Ray actor per
+        node with CPUs (``"ray"``), else
         ``min(len(env_fns), os.cpu_count())``)
     :param timeout: seconds any single wait for a worker may last before
         :class:`~clusterenv_core.errors.WorkerTimeoutError`; a worker that dies is reported sooner
@@ -70,7 +71,7 @@ class EnvPool(NotCopyable):
     :param restart_failed_envs: replace an env that raises in ``step`` by a new one from its factory
         instead of raising :class:`~clusterenv_core.errors.EnvError`
     :param restart_failed_workers: replace a worker that dies or times out during a step or a
-        rollout segment by a new one (local backend) instead of raising
+        rollout segment by a new one (local and Ray backends) instead of raising
         :class:`~clusterenv_core.errors.WorkerLostError`. With ``processes_per_worker`` > 1, a node
         agent replaces a local process of its own lost in a step (on any backend), and the learner
         replaces a lost agent as any worker, the new agent starting its local processes anew
@@ -196,7 +197,8 @@ class EnvPool(NotCopyable):
         self._restarts: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
         transport.worker_modules = tuple(worker_modules)
-        # An MPI SPMD rank serves as a worker from within this call: its node agents run pools of this class.
+        # What makes a node agent's block, for workers the transport serves from here: an MPI SPMD rank
+        # turning worker within this call, a Ray actor (node agents run pools of this class).
         transport.agent_block = functools.partial(AgentBlock, make_pool=EnvPool)
         try:
             transport.start(num_workers, timeout)

@@ -6,7 +6,7 @@ that rebuilds its block of envs; the interrupted episodes end truncated, with th
 observation from before the step, and the reason under the info key
 :data:`~clusterenv_core.protocol.RESTART_INFO_KEY`. One lost during a segment is replaced likewise,
 and the replacement collects that block's part of the segment anew, from new episodes. Only
-backends that can replace a worker do (the local one; MPI is fail-stop), though a node agent's
+backends that can replace a worker do (the local and Ray ones; MPI is fail-stop), though a node agent's
 inner pool, a local one, replaces the agent's local processes on any backend. The pool holds one
 :class:`WorkerRestarts` when restarts are on and consults it only when a worker is lost, plus one
 copy per step of the observations (and, in ``next_step`` mode, of which envs the step resets). The

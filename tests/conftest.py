@@ -56,9 +56,23 @@ def ctrl_c_at_call(monkeypatch):
     return arm
 
 
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray instance for every Ray test (tests/test_ray_backend.py), started when the first of
+    them runs (a few seconds) and stopped when the session ends; the pools connect to it."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture
 def no_leaks():
-    """The test leaves no child process and no /dev/shm entry behind."""
+    """The test leaves no child process and no /dev/shm entry behind (a Ray the tests started has
+    processes of its own: they are not counted, its actors are)."""
     from tests.helpers import descendants, shm_entries
 
     children, shm = descendants(), shm_entries()

@@ -220,9 +220,27 @@ def _fork_server_pids() -> set[int]:
     return {server.process.pid for server in fork_server._servers.values()}
 
 
+def _ray_own(process: psutil.Process) -> bool:
+    """Whether ``process`` is one of Ray's own (its daemons, agents and idle worker processes) in a
+    Ray this process started: Ray starts and ends them as it sees fit. The Ray backend's actors
+    (titled ``ray::WorkerActor``) are ClusterEnv's workers, and what they start is theirs."""
+    try:
+        command = process.cmdline()
+        name = process.name()
+    except psutil.Error:
+        return False
+    title = command[0] if command else name
+    if title.startswith("ray::"):
+        return not title.startswith("ray::WorkerActor")
+    ray_script = any(part.endswith(".py") and f"{os.sep}ray{os.sep}" in part for part in command[:3])
+    return name in ("raylet", "gcs_server") or ray_script
+
+
 def descendants() -> set[int]:
-    """This process's descendants (worker processes and what their envs started), fork servers aside."""
-    return {child.pid for child in psutil.Process().children(recursive=True)} - _fork_server_pids()
+    """This process's descendants (worker processes and what their envs started), fork servers and
+    Ray's own processes aside."""
+    children = [child for child in psutil.Process().children(recursive=True) if not _ray_own(child)]
+    return {child.pid for child in children} - _fork_server_pids()
 
 
 def clusterenv_threads() -> set[threading.Thread]:

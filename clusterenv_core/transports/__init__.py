@@ -1,8 +1,10 @@
-"""Backends, a package each: ``local`` (processes + shared memory) and ``mpi`` (mpi4py ranks).
+"""Backends, a package each: ``local`` (processes + shared memory), ``mpi`` (mpi4py ranks) and
+``ray`` (Ray actors).
 
 A backend defines a :class:`~clusterenv_core.transports.base.Transport` subclass for the learner
 and a ``worker_connection(argv)`` function for ``python -m clusterenv_core.worker <backend>``. They
-are imported on first use, so ``mpi4py`` is needed only by the MPI backend.
+are imported on first use, so ``mpi4py`` is needed only by the MPI backend, and Ray only by the
+Ray backend.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from clusterenv_core.transports.base import Transport, WorkerConnection
 _BACKENDS = {
     "local": ("clusterenv_core.transports.local", "LocalTransport"),
     "mpi": ("clusterenv_core.transports.mpi", "MPITransport"),
+    "ray": ("clusterenv_core.transports.ray", "RayTransport"),
 }
 
 

@@ -77,8 +77,9 @@ class Transport(ABC):
     #: threads and seed for the learner)
     has_inline_worker: bool = False
     #: set by the pool that owns the transport: what makes a node agent's block (``processes_per_worker``
-    #: > 1) where this process turns worker itself (an MPI SPMD rank): a transport cannot import it,
-    #: as it stands above the pool
+    #: > 1) for workers the transport starts without the worker program's entry (an MPI SPMD rank
+    #: turning worker in this process, a Ray actor): a transport cannot import it, as it stands
+    #: above the pool
     agent_block: Callable[..., Any] | None = None
 
     def envs_of(self, worker: int) -> str:

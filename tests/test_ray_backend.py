@@ -1,0 +1,404 @@
+"""The Ray backend (``backend="ray"``): results of ``DummyVecEnv`` and ``SyncVectorEnv`` exactly, flat
+actors and node agents; per-env calls, asynchronous batches, worker-side inference; failing, hanging
+and killed actors; nothing left after close. Every test shares one Ray instance of two CPUs (the
+``ray_session`` fixture), started by the first of them; all are marked ``slow``, which the fast loop
+(``-m "not slow"``) skips."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+
+from clusterenv_cleanrl import ClusterVectorEnv  # noqa: E402
+from clusterenv_core import EnvError, EnvPool, WorkerLostError, WorkerTimeoutError  # noqa: E402
+from clusterenv_core.protocol import RESTART_INFO_KEY  # noqa: E402
+from tests.envs import (  # noqa: E402
+    FailingEnv,
+    HangingEnv,
+    SuicidalEnv,
+    cartpole_with_statistics,
+    make_cartpole,
+    make_dict_env,
+)
+from tests.helpers import run_and_compare, run_side_by_side, wait_for_events  # noqa: E402
+from tests.test_async_batches import (  # noqa: E402
+    check_full_batch_is_sync_vector_env,
+    check_trajectories_match_envs_alone,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_session")]
+
+GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
+RAY = {"backend": "ray", "timeout": 30}
+short_cartpole = functools.partial(cartpole_with_statistics, max_episode_steps=40)
+
+
+def _failing_at(fail_at: int) -> gym.Env:
+    return FailingEnv(gym.make("CartPole-v1"), fail_at=fail_at)
+
+
+def _hanging(path: str) -> gym.Env:
+    return HangingEnv(gym.make("CartPole-v1"), hang_at=2, hanging=path)
+
+
+def _processes(pids: list[int]) -> list:
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            processes += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return processes
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_vec_env_is_dummy_vec_env(no_leaks, processes):
+    for env_fn in (make_cartpole, make_dict_env):
+        episodes, _ = run_side_by_side([env_fn] * 4, steps=200, num_workers=2, processes_per_worker=processes, **RAY)
+        assert episodes > 3
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_vector_env_is_sync_vector_env(no_leaks, processes):
+    mode = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP} if GYMNASIUM_1 else {}
+    env_fns = [short_cartpole] * 4
+    cluster = ClusterVectorEnv(env_fns, num_workers=2, processes_per_worker=processes, **mode, **RAY)
+    sync = gym.vector.SyncVectorEnv(env_fns, **mode)
+    with cluster:
+        counts = run_and_compare(cluster, sync, 200, seed=1)
+    sync.close()
+    assert counts["terminated"] > 3 and counts["truncated"] > 3, counts
+
+
+def test_per_env_calls(no_leaks):
+    env_fns = [functools.partial(gym.make, "CartPole-v1")] * 5
+    with EnvPool(env_fns, num_workers=2, **RAY) as pool:
+        pool.set_attr("marker", ["a", "b", "c"], indices=[4, 0, 2])
+        assert pool.get_attr("marker", indices=[0, 2, 4]) == ["b", "c", "a"]
+        assert pool.call("has_wrapper_attr", ["marker"], indices=[-1]) == [True]
+        assert pool.get_attr("spec", indices=[3])[0].id == "CartPole-v1"
+        with pytest.raises(IndexError):
+            pool.get_attr("spec", indices=[5])
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="next-step autoreset is gymnasium 1.x's SyncVectorEnv")
+def test_async_batches(no_leaks):
+    check_trajectories_match_envs_alone(4, recvs=100, **RAY)
+    check_full_batch_is_sync_vector_env(steps=100, **RAY)
+
+
+def test_a_failing_env_is_named_with_its_remote_traceback_and_the_actor_lives_on(no_leaks):
+    env_fns = [make_cartpole] * 3 + [functools.partial(_failing_at, 2)]
+    with EnvPool(env_fns, num_workers=2, **RAY) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        pids = pool.worker_pids
+        pool.step(np.zeros(4, dtype=np.int64))
+        with pytest.raises(EnvError) as caught:
+            pool.step(np.zeros(4, dtype=np.int64))
+        error = caught.value
+        assert (error.env_index, error.worker_index, error.exc_type) == (3, 1, "builtins.ValueError")
+        assert "injected failure at step 2" in str(error) and "in step" in error.remote_traceback
+        pool.reset()
+        pool.step(np.zeros(4, dtype=np.int64))
+        assert pool.worker_pids == pids
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_killed_actor_is_a_worker_lost_error_naming_it(no_leaks, how):
+    import ray
+
+    pool = EnvPool([make_cartpole] * 4, num_workers=2, **RAY)
+    try:
+        pool.reset(seeds=[0, 1, 2, 3])
+        if how == "SIGKILL":
+            os.kill(pool.worker_pids[1], signal.SIGKILL)
+        else:
+            ray.kill(pool._transport.actors[1])
+        began = time.monotonic()
+        with pytest.raises(WorkerLostError, match=r"worker 1 \(Ray actor, pid \d+ on .*, envs 2-3\) died"):
+            pool.step(np.zeros(4, dtype=np.int64))
+        assert time.monotonic() - began < 10
+    finally:
+        pool.close()
+
+
+def test_a_hanging_env_is_a_timeout_and_close_kills_the_actor(no_leaks, tmp_path):
+    path = str(tmp_path / "hanging")
+    pool = EnvPool([make_cartpole, functools.partial(_hanging, path)], num_workers=2, backend="ray", timeout=3)
+    try:
+        pool.reset()
+        pool.step(np.zeros(2, dtype=np.int64))
+        began = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match="worker 1"):
+            pool.step(np.zeros(2, dtype=np.int64))
+        assert 3 <= time.monotonic() - began < 10
+        wait_for_events(path, 1)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_close_ends_the_actors_and_what_they_started(no_leaks, processes):
+    pool = EnvPool([make_cartpole] * 4, num_workers=2, processes_per_worker=processes, **RAY)
+    pool.reset()
+    started = _processes(pool.worker_pids)
+    assert len(started) >= 2 * processes  # an agent's local processes are its children
+    pool.close()
+    deadline = time.monotonic() + 10
+    while any(process.is_running() for process in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(process.is_running() for process in started)
+
+
+def test_bad_options_are_value_errors_before_anything_starts():
+    with pytest.raises(ValueError, match="placement"):
+        EnvPool([make_cartpole], backend="ray", backend_options={"placement": "NEAR"})
+    with pytest.raises(ValueError, match="cpus_per_actor"):
+        EnvPool([make_cartpole], backend="ray", backend_options={"cpus_per_actor": 0})
+    with pytest.raises(ValueError, match="num_cpus"):
+        EnvPool([make_cartpole], backend="ray", backend_options={"actor_options": {"num_cpus": 2}})
+
+
+def test_actors_that_cannot_be_placed_are_a_clear_error(no_leaks):
+    with pytest.raises(WorkerTimeoutError, match="Ray could not place 2 actors of 2 CPUs"):
+        EnvPool([make_cartpole] * 2, num_workers=2, backend="ray", backend_options={"cpus_per_actor": 2}, timeout=1)
+
+
+def test_default_is_one_actor_per_node():
+    with EnvPool([make_cartpole] * 3, backend="ray") as pool:
+        assert pool.num_workers == 1  # the test Ray is one node
+
+
+# -- worker-side inference (flat actors) -------------------------------------------------------------
+
+
+def test_rollouts_act_with_each_sync_put_once_for_all_actors(no_leaks, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import ray
+
+    from tests.policies import LinearPolicy, assert_rollout_matches, reference_rollout
+
+    puts = []
+    put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kwargs: puts.append(value) or put(value, **kwargs))
+    torch.manual_seed(1)
+    policy = LinearPolicy(greedy=True)
+    seeds = [10, 11, 12, 13]
+    expected, last_obs = reference_rollout(policy, seeds, 60)
+    with EnvPool.make("CartPole-v1", 4, num_workers=2, **RAY) as pool:
+        pool.reset(seeds=seeds)
+        actors = pool.deploy(policy)
+        assert_rollout_matches(actors.rollout(60), expected, last_obs)
+        assert len(puts) == 1  # the deployed weights: one object for both actors
+        with torch.no_grad():
+            policy.linear.weight.neg_()
+        assert actors.publish_weights(policy) == 1
+        second = actors.rollout(5)
+        assert len(puts) == 2 and (second.versions == 1).all()
+        with torch.no_grad():
+            np.testing.assert_array_equal(second.actions[0], policy.linear(torch.as_tensor(second.obs[0])).argmax(-1))
+        # Published while a segment runs: where memory is not shared (as with MPI) the weights go
+        # out with the next segment's request.
+        actors.rollout_async(50)
+        actors.publish_weights(policy)
+        assert (actors.rollout_wait().versions == 1).all() and len(puts) == 2
+        assert (actors.rollout(5).versions == 2).all() and len(puts) == 3
+
+
+def test_a_segment_longer_than_the_timeout_completes_on_progress_and_a_stuck_one_times_out(no_leaks):
+    """As ``tests/test_inference.run_rollout_timeout_checks`` on the local backend, with a timeout of
+        two seconds (a Ray call's dispatch on two busy cores, shared with other test runs, can take a good
+    part of 0.4 s, and once took more than a second)."""
+    pytest.importorskip("torch")
+    from clusterenv_core.shutdown import CLOSE_TIMEOUT
+    from tests.envs import SlowCartPole
+    from tests.policies import LinearPolicy
+
+    slow = [functools.partial(SlowCartPole, 0.1)] * 2  # 40 steps: 4 s, twice the timeout
+    with EnvPool(slow, num_workers=2, **RAY) as pool:
+        pool.reset(seeds=[0, 1])
+        actors = pool.deploy(LinearPolicy())
+        assert actors.rollout(40, timeout=2.0).rewards.shape == (40, 2)
+        actors.rollout_async(40, timeout=2.0)  # the wait starts late, as when training overlaps
+        time.sleep(4.5)
+        assert actors.rollout_wait().rewards.shape == (40, 2)
+        actors.rollout_async(400, timeout=2.0)
+        time.sleep(2.0)  # progress reports queue up; closing reads past them and ends the segment early
+        started = time.monotonic()
+        pool.close()
+        assert time.monotonic() - started < CLOSE_TIMEOUT
+    hanging = [functools.partial(gym.make, "CartPole-v1"), functools.partial(HangingEnv, gym.make("CartPole-v1"), 5)]
+    with EnvPool(hanging, num_workers=2, **RAY) as pool:
+        pool.reset()
+        actors = pool.deploy(LinearPolicy())
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match="worker 1"):
+            actors.rollout(100, timeout=2.0)
+        assert time.monotonic() - started < 8.0
+
+
+def test_sb3_ppo_on_ray_actors_collects_what_sb3_collects():
+    pytest.importorskip("stable_baselines3")
+    import stable_baselines3 as sb3
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from clusterenv_sb3 import PPO, ClusterVecEnv
+    from tests.sb3_helpers import assert_same_collection, dummy_vec_env, first_segments
+    from tests.test_sb3_worker_inference import ObsSeededPolicy
+
+    kwargs = dict(policy=ObsSeededPolicy, n_steps=32, batch_size=64, n_epochs=2)
+    reference = first_segments(sb3.PPO, dummy_vec_env("CartPole-v1", max_episode_steps=25), 2, **kwargs)
+    env = make_vec_env(
+        "CartPole-v1",
+        n_envs=4,
+        seed=0,
+        env_kwargs={"max_episode_steps": 25},
+        vec_env_cls=ClusterVecEnv,
+        vec_env_kwargs={"num_workers": 2, **RAY},
+    )
+    try:
+        ours = first_segments(PPO, env, 2, **kwargs)
+        assert_same_collection(ours, reference)
+        assert ours[0].policy_sync.stats.syncs == 1 and env.pool.actors.policy_version == 1
+    finally:
+        env.close()
+
+
+# -- the fuzzer, briefly -----------------------------------------------------------------------------
+
+
+def test_fuzz_through_ray_actors():
+    """A few of the differential fuzzer's scenarios (tests/test_fuzz.py) through Ray actors, flat and
+    as node agents: ClusterVecEnv == DummyVecEnv and ClusterVectorEnv == SyncVectorEnv."""
+    from hypothesis import given, settings
+
+    from tests import test_fuzz
+
+    brief = settings(test_fuzz.FUZZ, max_examples=3)
+
+    @brief
+    @given(test_fuzz.SB3_SCENARIOS.filter(test_fuzz._agent_blocks))
+    def vec_env(scenario):
+        test_fuzz.check_vec_env(scenario, backend="ray", processes_per_worker=1 + scenario["seed"] % 2)
+
+    @brief
+    @given(test_fuzz.SCENARIOS)
+    def vector_env(scenario):
+        test_fuzz.check_vector_env(scenario, test_fuzz.AUTORESET_MODES[0], backend="ray")
+
+    vec_env()
+    vector_env()
+
+
+# -- replacing lost actors (restart_failed_workers) -------------------------------------------------
+
+
+def _suicidal_at(die_at: int) -> gym.Env:
+    return SuicidalEnv(gym.make("CartPole-v1"), die_at=die_at)
+
+
+def test_a_lost_actor_is_replaced_and_its_envs_start_new_episodes(no_leaks):
+    env_fns = [make_cartpole] * 3 + [functools.partial(_suicidal_at, 3)]
+    options = {"restart_failed_workers": True, "max_restarts": 1}
+    with EnvPool(env_fns, num_workers=2, **options, **RAY) as pool:
+        pool.reset(seeds=[0, 1, 2, 3])
+        zeros = np.zeros(4, dtype=np.int64)
+        pool.step(zeros)
+        pool.step(zeros)
+        before = [pool.buffers.obs[0][index].copy() for index in range(4)]
+        old_pid = pool.worker_pids[1]
+        result = pool.step(zeros)
+        assert pool.worker_pids[1] != old_pid
+        assert result.truncated.tolist() == [False, False, True, True]
+        for index in (2, 3):
+            assert "worker 1 was replaced (restart 1 of 1)" in result.infos[index][RESTART_INFO_KEY]
+            np.testing.assert_array_equal(result.final_observation(index), before[index])
+        assert pool.restarts == {"envs": 0, "workers": 1}
+        pool.step(zeros)
+        pool.step(zeros)
+        with pytest.raises(WorkerLostError, match="worker 1"):  # the replacement dies too: the budget is spent
+            pool.step(zeros)
+
+
+def test_a_stuck_actor_is_replaced(no_leaks, tmp_path):
+    path = str(tmp_path / "hanging")
+    env_fns = [make_cartpole, functools.partial(_hanging, path)]
+    with EnvPool(env_fns, num_workers=2, backend="ray", timeout=3, restart_failed_workers=True) as pool:
+        pool.reset(seeds=[0, 1])
+        pool.step(np.zeros(2, dtype=np.int64))
+        result = pool.step(np.zeros(2, dtype=np.int64))
+        assert result.truncated.tolist() == [False, True]
+        assert "did not answer within 3 s" in result.infos[1][RESTART_INFO_KEY]
+        assert pool.step(np.zeros(2, dtype=np.int64)).rewards.tolist() == [1.0, 1.0]
+
+
+def test_a_node_lost_mid_steps_is_replaced_on_a_node_added_afterwards():
+    """On a simulated cluster of its own (tests/ray_scripts/lose_a_node.py, in a process of its own):
+    the lost node's actor is replaced, its envs end their episodes truncated and start over, and the
+    time from the loss to the next full step is printed."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "ray_scripts", "lose_a_node.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    start, stop = report["block"]
+    assert report["replaced_envs"] == list(range(start, stop)) and report["new_pid"]
+    assert report["truncated"] == [start <= index < stop for index in range(6)]
+    assert report["restarts"] == {"envs": 0, "workers": 1}
+    print(f"from the node's loss to the next full step: {report['seconds_to_next_full_step']} s")
+    assert report["seconds_to_next_full_step"] < 30
+
+
+def test_the_actors_and_their_processes_end_with_a_killed_learner(ray_session, tmp_path):
+    """A learner killed with its pool open (on the session's Ray): Ray ends the actors it owned, and
+    a node agent's local processes end with their actor."""
+    import subprocess
+    import sys
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    address = ray_session.get_runtime_context().gcs_address
+    script = tmp_path / "learner.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import functools, sys, time
+            import gymnasium as gym, ray
+            sys.path.insert(0, {root!r})
+            ray.init(address={address!r}, logging_level="warning")
+            from clusterenv_core import EnvPool
+            env_fns = [functools.partial(gym.make, "CartPole-v1")] * 4
+            pool = EnvPool(env_fns, num_workers=2, processes_per_worker=2, backend="ray")
+            pool.reset()
+            print(*pool.worker_pids, flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in learner.stdout.readline().split()]
+        assert len(pids) == 2
+        started = _processes(pids)
+        assert len(started) > 2
+    finally:
+        learner.kill()
+        learner.wait()
+    deadline = time.monotonic() + 30
+    while any(process.is_running() and process.status() != "zombie" for process in started):
+        assert time.monotonic() < deadline, "actors or their processes outlived the learner"
+        time.sleep(0.1)
