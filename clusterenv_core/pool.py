@@ -582,6 +582,13 @@ class EnvPool(NotCopyable):
         return self._transport.worker_pids()
 
     @property
+    def worker_replacements(self) -> list[dict[str, Any]]:
+        """Which envs were rebuilt where: each replacement of a lost worker so far (``worker``, its
+        ``envs``, where the ``lost`` one and its ``replacement`` ran, ``seconds`` to start it), on
+        backends that record it (Ray); empty on the others."""
+        return self._transport.replacements()
+
+    @property
     def workers_on_this_host(self) -> int:
         """How many workers share the learner's machine (the local backend's all; MPI ranks on other
         hosts do not count): the cores they take while they step or collect are not the learner's."""

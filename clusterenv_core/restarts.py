@@ -117,7 +117,10 @@ class WorkerRestarts:
         """Start a new worker for a lost one's envs and count it; returns what ``take_over(worker,
         error)`` returns, which has the new worker take the lost one's place."""
         channel = self.channel
-        channel.restart(worker, error)
+        try:
+            channel.restart(worker, error)
+        except ClusterEnvError as failure:  # no replacement within the backend's bound: the pool cannot go on
+            raise channel.fail(failure) from error
         if worker not in self._counted:
             self._counted.add(worker)
             channel.count_restart(worker)

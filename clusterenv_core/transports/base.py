@@ -98,6 +98,11 @@ class Transport(ABC):
     def worker_pids(self) -> list[int]:
         """The process id of each worker (on its own host), for monitoring."""
 
+    def replacements(self) -> list[dict[str, Any]]:
+        """Each replacement of a lost worker so far, where the backend records where the lost and
+        the new worker ran (the Ray backend does); empty otherwise."""
+        return []
+
     def workers_on_this_host(self) -> int:
         """How many workers run on the learner's machine and share its cores (all, unless the
         backend knows better)."""

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
@@ -57,6 +57,10 @@ class RayTransport(Transport):
         node) when the cluster has enough nodes with CPUs, else ``SPREAD``
     :param actor_options: further keywords of the actors' ``.options()`` (``runtime_env``,
         ``memory``, custom ``resources``, ...)
+    :param replace_timeout: how long the replacement of a lost actor (``restart_failed_workers``)
+        may take to be placed and started, in seconds; a lost node's bundle waits that long for a
+        node with room. ``None``: the pool's timeout, at least 60 s. Past it the pool fails with a
+        :class:`~clusterenv_core.errors.WorkerLostError` saying what the cluster has left
     """
 
     shares_memory = False
@@ -68,6 +72,7 @@ class RayTransport(Transport):
         cpus_per_actor: float = 1.0,
         placement: str = "auto",
         actor_options: dict[str, Any] | None = None,
+        replace_timeout: float | None = None,
     ) -> None:
         if address is not None and not isinstance(address, str):
             raise ValueError(f"address must be a string or None, got {address!r}")
@@ -85,6 +90,11 @@ class RayTransport(Transport):
         if not number or not 0 < cpus_per_actor < 1e9:
             raise ValueError(f"cpus_per_actor must be a positive number, got {cpus_per_actor!r}")
         self.cpus_per_actor = float(cpus_per_actor)
+        if replace_timeout is not None:
+            number = isinstance(replace_timeout, (int, float)) and not isinstance(replace_timeout, bool)
+            if not number or not 0 < replace_timeout < 1e9:
+                raise ValueError(f"replace_timeout must be a positive number of seconds, got {replace_timeout!r}")
+        self.replace_timeout = replace_timeout
         self.placement = placement
         self.actor_options = dict(actor_options or {})
         self.failed: set[int] = set()
@@ -92,6 +102,7 @@ class RayTransport(Transport):
         self._group: Any = None
         #: the Ray actor of each worker (for Ray's own tools)
         self.actors: list[Any] = []
+        self._replacements: list[dict[str, Any]] = []  # each lost actor's replacement (replacements())
         self._where: list[dict[str, Any]] = []  # per worker: pid, host, node
         self._calls: list[collections.deque] = []  # per worker: (call number, ref) of unread requests
         self._inbox: list[collections.deque] = []  # per worker: what finished calls sent, not yet read
@@ -116,6 +127,11 @@ class RayTransport(Transport):
 
     def worker_pids(self) -> list[int]:
         return [where["pid"] for where in self._where]
+
+    def replacements(self) -> list[dict[str, Any]]:
+        """Each lost actor's replacement: the worker, its envs, where the lost actor ran and where the
+        new one runs (pid, host, Ray node), and the seconds the new one took to start."""
+        return [dict(record) for record in self._replacements]
 
     def workers_on_this_host(self) -> int:
         node = ray.get_runtime_context().get_node_id()
@@ -332,6 +348,8 @@ class RayTransport(Transport):
         was lost to a node with room, if any)."""
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the Ray transport is closed")
+        began = time.monotonic()
+        lost = self._where[worker]
         ray.kill(self.actors[worker], no_restart=True)
         self._steps[worker] = None
         self._calls[worker].clear()
@@ -341,7 +359,42 @@ class RayTransport(Transport):
         self.failed.discard(worker)
         self._last_contact[worker] = time.monotonic()
         hello = self.actors[worker].hello.remote()
-        self._where[worker] = self._result(worker, hello, max(timeout, _START_TIMEOUT), "start")
+        wait = max(timeout, _START_TIMEOUT) if self.replace_timeout is None else self.replace_timeout
+        try:
+            self._where[worker] = ray.get(hello, timeout=wait)
+        except GetTimeoutError:
+            self.failed.add(worker)
+            raise WorkerLostError(self._not_replaced(worker, wait)) from None
+        except RayError:
+            self._where[worker] = self._result(worker, hello, 0.0, "start")  # the error naming the worker
+        block = self.blocks[worker] if worker < len(self.blocks) else range(0)
+        self._replacements.append(
+            {
+                "worker": worker,
+                "envs": list(block),
+                "lost": dict(lost),
+                "replacement": dict(self._where[worker]),
+                "seconds": round(time.monotonic() - began, 3),
+            }
+        )
+
+    def _not_replaced(self, worker: int, wait: float) -> str:
+        """Why a lost worker's replacement is not running after ``wait`` seconds, and what to do."""
+        state = placement_group_table(self._group).get("state", "?")
+        nodes = cpu_nodes()
+        free = ray.available_resources().get("CPU", 0.0)
+        unplaced = state != "CREATED"
+        why = (
+            f"no node had room for its bundle of {self.cpus_per_actor:g} CPUs (placement group {state})"
+            if unplaced
+            else "its actor was placed but did not start"
+        )
+        return (
+            f"worker {worker}{self.envs_of(worker)}: lost, and its replacement was not running within "
+            f"{wait:g} s: {why}; the cluster has {len(nodes)} alive nodes with CPUs, {free:g} CPUs free. "
+            "Add a node (ray start --address=..., or let the autoscaler add one), raise the backend option "
+            "replace_timeout, or start again with fewer workers (num_workers)"
+        )
 
     def close(self, timeout: float, closed: set[int]) -> None:
         """Kill every actor (those in ``closed`` have closed their envs) and remove the placement
