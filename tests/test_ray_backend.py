@@ -382,6 +382,50 @@ def test_training_goes_on_through_a_lost_node_and_a_node_without_room_is_a_bound
     assert no_room["seconds_to_error"] < 20
 
 
+def test_the_launch_example_trains_on_a_simulated_three_node_cluster():
+    """examples/ray/train_sb3_ppo_ray.py with ``--address`` naming a simulated cluster of three nodes
+    (tests/ray_scripts/example_on_cluster.py, in a process of its own): an actor per node, trained."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "ray_scripts", "example_on_cluster.py")
+    args = ["--timesteps", "2048", "--n-envs", "8", "--eval-episodes", "1", "--restart-failed-workers"]
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "8 envs on 3 Ray actors x 1 processes, 3 nodes with CPUs" in done.stdout, done.stdout
+    assert "trained 2048 steps" in done.stdout and "mean return over 1 episodes" in done.stdout, done.stdout
+
+
+def test_the_cluster_definitions_beside_the_example_are_valid():
+    """examples/ray/ray_up.yaml passes Ray's own schema of ``ray up`` configs; both definitions
+    install ``clusterenv-rl[ray,sb3]`` on every node and give the head no CPUs for env actors."""
+    import json
+
+    import jsonschema
+    import ray
+    import yaml
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ray")
+    with open(os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.json")) as file:
+        schema = json.load(file)
+    with open(os.path.join(examples, "ray_up.yaml")) as file:
+        ray_up = yaml.safe_load(file)
+    jsonschema.validate(ray_up, schema)
+    assert any('"clusterenv-rl[ray,sb3]"' in command for command in ray_up["setup_commands"])
+    assert ray_up["available_node_types"][ray_up["head_node_type"]]["resources"] == {"CPU": 0}
+    with open(os.path.join(examples, "raycluster.yaml")) as file:
+        cluster = yaml.safe_load(file)
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    spec = cluster["spec"]
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    pods = [spec["headGroupSpec"]["template"], *(group["template"] for group in spec["workerGroupSpecs"])]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        command = container["args"][0]
+        assert '"clusterenv-rl[ray,sb3]"' in command and "$KUBERAY_GEN_RAY_START_CMD" in command
+        assert container["image"].startswith(f"rayproject/ray:{spec['rayVersion']}-")
+
+
 def test_the_actors_and_their_processes_end_with_a_killed_learner(ray_session, tmp_path):
     """A learner killed with its pool open (on the session's Ray): Ray ends the actors it owned, and
     a node agent's local processes end with their actor."""
