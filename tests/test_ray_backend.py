@@ -426,6 +426,29 @@ def test_the_cluster_definitions_beside_the_example_are_valid():
         assert container["image"].startswith(f"rayproject/ray:{spec['rayVersion']}-")
 
 
+def test_the_throughput_benchmark_runs_in_smoke_mode(tmp_path):
+    """benchmarks/ray_throughput.py, a tiny run (no timing is checked): every vectorizer steps, the
+    table and the JSON come out."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    output = tmp_path / "ray_throughput.json"
+    arguments = ["--seconds", "0.2", "--rounds", "1", "--workloads", "cartpole", "--envs", "4", "--json", str(output)]
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "ray_throughput.py"), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert sorted(result["vectorizer"] for result in report["results"]) == ["local", "naive", "ray"]
+    assert all(result["steps_per_s"] > 0 and result["learner_us"] > 0 for result in report["results"])
+    assert set(report["ratios"]["cartpole"]) == {"ray_vs_naive", "ray_vs_local"}
+
+
 def test_the_actors_and_their_processes_end_with_a_killed_learner(ray_session, tmp_path):
     """A learner killed with its pool open (on the session's Ray): Ray ends the actors it owned, and
     a node agent's local processes end with their actor."""
