@@ -435,18 +435,18 @@ def test_the_throughput_benchmark_runs_in_smoke_mode(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     output = tmp_path / "ray_throughput.json"
-    arguments = ["--seconds", "0.2", "--rounds", "1", "--workloads", "cartpole", "--envs", "4", "--json", str(output)]
+    arguments = ["--seconds", "0.2", "--rounds", "1", "--workloads", "cartpole", "--envs", "4", "--ray-layouts", "1x2"]
     done = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "ray_throughput.py"), *arguments],
+        [sys.executable, os.path.join(root, "benchmarks", "ray_throughput.py"), *arguments, "--json", str(output)],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(output.read_text())
-    assert sorted(result["vectorizer"] for result in report["results"]) == ["local", "naive", "ray"]
+    assert sorted(result["vectorizer"] for result in report["results"]) == ["local", "naive", "ray 1x2"]
     assert all(result["steps_per_s"] > 0 and result["learner_us"] > 0 for result in report["results"])
-    assert set(report["ratios"]["cartpole"]) == {"ray_vs_naive", "ray_vs_local"}
+    assert set(report["ratios"]["cartpole"]) == {"ray 1x2 vs naive", "ray 1x2 vs local"}
 
 
 def test_the_actors_and_their_processes_end_with_a_killed_learner(ray_session, tmp_path):
