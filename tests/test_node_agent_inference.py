@@ -53,9 +53,11 @@ def _segments(policy_class: type, backend: str = "local", **layout) -> list[np.n
     return kept
 
 
-def check_sampled_rollouts_are_those_of_flat_workers(policy_class: type, backend: str = "local") -> None:
-    """W=2 agents of P=2 processes sample exactly as 4 flat workers, before and after new weights."""
-    agents, flat = _segments(policy_class, backend, **AGENTS), _segments(policy_class, backend, **FLAT)
+def check_sampled_rollouts_are_those_of_flat_workers(policy_class: type, backend: str = "local", **options) -> None:
+    """W=2 agents of P=2 processes sample exactly as 4 flat workers, before and after new weights
+    (``options``: more of the pool's, for both)."""
+    agents = _segments(policy_class, backend, **AGENTS, **options)
+    flat = _segments(policy_class, backend, **FLAT, **options)
     assert 0.2 < agents[1].mean() < 0.8  # sampled, not greedy
     for kept_by_agents, kept_by_flat in zip(agents, flat):
         np.testing.assert_array_equal(kept_by_agents, kept_by_flat)

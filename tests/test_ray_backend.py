@@ -251,6 +251,17 @@ def test_a_segment_longer_than_the_timeout_completes_on_progress_and_a_stuck_one
         assert time.monotonic() - started < 8.0
 
 
+def test_node_agents_sample_as_flat_actors():
+    pytest.importorskip("torch")
+    from tests.policies import LinearPolicy
+    from tests.test_node_agent_inference import check_sampled_rollouts_are_those_of_flat_workers
+
+    # 4 flat actors on the session's 2 CPUs: half a CPU each.
+    check_sampled_rollouts_are_those_of_flat_workers(
+        LinearPolicy, "ray", timeout=30, backend_options={"cpus_per_actor": 0.5}
+    )
+
+
 def test_sb3_ppo_on_ray_actors_collects_what_sb3_collects():
     pytest.importorskip("stable_baselines3")
     import stable_baselines3 as sb3
