@@ -96,6 +96,7 @@ class ClusterEnvPool(NotCopyable):
         if (env_fns is None) == (env_id is None):
             raise ValueError("give either env_fns or env_id (with num_envs)")
         if env_fns is None:
+            assert env_id is not None  # one of the two is given, as checked above
             num_envs = check_int("num_envs", num_envs, minimum=1)
             env_fns = [functools.partial(gym.make, env_id, **(make_kwargs or {}))] * num_envs
         elif num_envs is not None and num_envs != len(env_fns):
@@ -124,7 +125,7 @@ class ClusterEnvPool(NotCopyable):
 
     def async_reset(self) -> None:
         """Reset every env (seeded the first time); the next ``recv`` returns reset observations."""
-        seeds = None if self._seeded else [self.seed + index for index in range(self.num_envs)]
+        seeds: list[int | None] | None = None if self._seeded else [self.seed + index for index in range(self.num_envs)]
         self.batches.reset(seeds, omit_if_none=RESET_OMIT_IF_NONE)
         self._seeded = True
 

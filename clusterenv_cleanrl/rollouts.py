@@ -48,8 +48,29 @@ from clusterenv_core.policy import ActionDistribution, Categorical, DeployablePo
 from clusterenv_core.pool import EnvPool
 from clusterenv_core.rollout import Rollout
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the mixins below run inside CleanRL's modules, whose methods and buffers they use
     import torch
+
+    class _PPOAgent:
+        def get_action_and_value(
+            self, x: torch.Tensor, action: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    class _QNetwork:
+        def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    class _SACActor:
+        def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+        def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    class _TD3Actor:
+        action_scale: torch.Tensor
+        action_bias: torch.Tensor
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+else:
+    _PPOAgent = _QNetwork = _SACActor = _TD3Actor = object
 
 # torch is imported inside the functions that use it, so ``import clusterenv_cleanrl`` works without it.
 
@@ -78,7 +99,7 @@ def _float(obs: Any) -> torch.Tensor:
     return obs if obs.dtype == torch.float32 else obs.to(torch.float32)
 
 
-class DeployableAgent:
+class DeployableAgent(_PPOAgent):
     """Mixin making a CleanRL PPO ``Agent`` deployable on ClusterEnv workers: ``class Agent(DeployableAgent, nn.Module)``.
 
     The agent keeps CleanRL's interface: ``get_action_and_value(x, action=None)`` returning
@@ -115,7 +136,7 @@ class DeployableAgent:
         )
 
 
-class DeployableQNetwork:
+class DeployableQNetwork(_QNetwork):
     """Mixin making a CleanRL DQN ``QNetwork`` deployable: ``class QNetwork(DeployableQNetwork, nn.Module)``.
 
     ``forward(x)`` must return the Q-values. ``act(obs, epsilon=0.0)`` is epsilon-greedy per env
@@ -147,7 +168,7 @@ def _uniform_actions(actor: Any, obs: torch.Tensor) -> torch.Tensor:
     return actor.action_bias + actor.action_scale * (2.0 * torch.rand(shape) - 1.0)
 
 
-class DeployableSACActor:
+class DeployableSACActor(_SACActor):
     """Mixin making CleanRL's SAC ``Actor`` deployable: ``class Actor(DeployableSACActor, nn.Module)``.
 
     The actor keeps CleanRL's interface: ``forward(x)`` returning ``(mean, log_std)`` of the Gaussian
@@ -168,7 +189,7 @@ class DeployableSACActor:
         return Gaussian(mean, log_std)
 
 
-class DeployableTD3Actor:
+class DeployableTD3Actor(_TD3Actor):
     """Mixin making CleanRL's TD3 ``Actor`` deployable: ``class Actor(DeployableTD3Actor, nn.Module)``.
 
     ``forward(x)`` returns the deterministic action, scaled by the ``action_scale`` and

@@ -29,7 +29,10 @@ GYMNASIUM_1 = int(gym.__version__.split(".")[0]) >= 1
 
 if GYMNASIUM_1:
     from clusterenv_cleanrl.vector_env_gymnasium1 import RESET_OMIT_IF_NONE, ClusterVectorEnv
-else:
-    from clusterenv_cleanrl.vector_env_gymnasium029 import RESET_OMIT_IF_NONE, ClusterVectorEnv
+else:  # the type checker runs with gymnasium 1.x, so it takes the class above as the one
+    from clusterenv_cleanrl.vector_env_gymnasium029 import (  # type: ignore[assignment]
+        RESET_OMIT_IF_NONE,
+        ClusterVectorEnv,
+    )
 
 __all__ = ["GYMNASIUM_1", "RESET_OMIT_IF_NONE", "ClusterVectorEnv"]

@@ -60,7 +60,8 @@ class ClusterVectorEnv(_PoolVectorEnv):
     def _describe(self, observation_space: gym.Space | None, action_space: gym.Space | None) -> None:
         pool = self.pool
         self.metadata = pool.metadata
-        super().__init__(
+        # gymnasium 0.29's VectorEnv.__init__ takes these; the type checker runs with 1.x's, which has none.
+        super().__init__(  # type: ignore[call-arg]
             num_envs=pool.num_envs,
             observation_space=pool.observation_space if observation_space is None else observation_space,
             action_space=pool.action_space if action_space is None else action_space,

@@ -108,13 +108,14 @@ class ClusterVectorEnv(_PoolVectorEnv):
         # Envs whose episode ended at the last step; stepping them is an error in DISABLED mode.
         self._autoreset_envs = np.zeros((self.num_envs,), dtype=np.bool_)
 
+    # One per env, as SyncVectorEnv's (which VectorEnv's types, one for the whole vector env, do not allow).
     @property
-    def np_random_seed(self) -> tuple[int, ...]:
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """The ``np_random_seed`` of every env."""
         return self.get_attr("np_random_seed")
 
-    @property
-    def np_random(self) -> tuple[np.random.Generator, ...]:
+    @property  # type: ignore[misc]  # read-only, as SyncVectorEnv's
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """Copies of the random number generators of every env."""
         return self.get_attr("np_random")
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 import copy
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from clusterenv_core.policy import DeployablePolicy
+
+if TYPE_CHECKING:
+    import torch
 
 SYNC_MODES = ("always", "aaps", "never")
 
@@ -35,6 +38,11 @@ def divergence(deployed_policy: DeployablePolicy, current_policy: DeployablePoli
     obs = _to_tensor(probe_obs)
     with torch.no_grad():
         return float(deployed_policy.action_dist(obs).divergence(current_policy.action_dist(obs)).mean())
+
+
+def _module(policy: DeployablePolicy) -> torch.nn.Module:
+    """The policy as the ``torch.nn.Module`` its contract says it is (which a Protocol cannot state)."""
+    return cast("torch.nn.Module", policy)
 
 
 def _length(batch: Any) -> int:
@@ -195,7 +203,7 @@ class PolicySync:
         """Publish the current weights and make them the new snapshot."""
         self.actors.publish_weights(self.policy)
         self._note_versions()
-        self.deployed.load_state_dict(self.policy.state_dict())
+        _module(self.deployed).load_state_dict(_module(self.policy).state_dict())
         self.stats.syncs += 1
         self.stats.weight_bytes_sent += self.actors.weights_nbytes * self.actors.num_workers
         self.stats.updates_since_sync = 0
@@ -205,7 +213,7 @@ class PolicySync:
         the current ones, bit for bit)."""
         from clusterenv_core.inference import same_state
 
-        return same_state(self.policy.state_dict(), self.deployed.state_dict())
+        return same_state(_module(self.policy).state_dict(), _module(self.deployed).state_dict())
 
     def summary(self) -> dict[str, float]:
         """Counters for logging (``aaps/...`` in SB3, TensorBoard scalars in CleanRL)."""

@@ -26,6 +26,7 @@ from clusterenv_core.rollout import Rollout, RolloutArrays, rollout_fields, time
 
 if TYPE_CHECKING:
     from clusterenv_core.channel import WorkerChannel
+    from clusterenv_core.inference import WeightsRegion
     from clusterenv_core.restarts import WorkerRestarts
 
 # The seeds torch.manual_seed takes (it refuses others with "Overflow when unpacking long long").
@@ -65,6 +66,7 @@ class WorkerActors:
         channel.check_usable()
         channel.check_idle()
         layouts = channel.buffers
+        assert layouts is not None  # the pool shares them before anything can deploy
         if not layouts.obs_layout.buffered or len(layouts.act_layout.fields) != 1:
             spec = channel.batch_spec
             raise ValueError(
@@ -82,6 +84,7 @@ class WorkerActors:
             raise ValueError(f"the policy cannot be pickled: {type(error).__name__}: {error}") from error
         channel.drain()
         self.channel = channel
+        self._buffers = layouts
         self._restarts = restarts
         self._processes_per_worker = processes_per_worker
         self._policy_bytes = policy_bytes  # for the replacement of a worker lost during a segment
@@ -96,13 +99,15 @@ class WorkerActors:
         fields = weights_fields(flat.size)
         handle, memory = channel.share_region(fields_nbytes(fields, 1))
         self._weights_handle = handle
-        self.weights = WeightsRegion(field_views(fields, 1, memory))
+        weights = WeightsRegion(field_views(fields, 1, memory))
+        # The versioned weights the workers read; None once release() dropped them.
+        self.weights: WeightsRegion | None = weights
         #: version of the last published weights (0: those deployed)
         self.policy_version = 0
         #: size of one copy of the weights
         self.weights_nbytes = flat.nbytes
         try:
-            self.weights.write(flat, self.policy_version)
+            weights.write(flat, self.policy_version)
             self._deploy(policy_bytes, seed)
         except BaseException:
             self.release()  # a failed deploy's regions would otherwise stay as long as its traceback
@@ -134,8 +139,9 @@ class WorkerActors:
     def _send_policy(self, worker: int, policy_bytes: bytes, seed: int | None) -> None:
         """Send the policy and, to a worker that does not share the learner's memory, the weights."""
         deliver = not self.channel.shares_memory
-        request = protocol.Deploy(policy_bytes, self._weights_handle, self.weights.weights.size, seed, deliver)
-        self.channel.send(worker, request, arrays=self.weights.arrays if deliver else None)
+        weights = self._weights_region()
+        request = protocol.Deploy(policy_bytes, self._weights_handle, weights.weights.size, seed, deliver)
+        self.channel.send(worker, request, arrays=weights.arrays if deliver else None)
 
     @property
     def num_workers(self) -> int:
@@ -164,6 +170,7 @@ class WorkerActors:
         if self.channel.closed:
             raise ClusterEnvError("the pool is closed")
         self._check_current()
+        weights = self._weights_region()
         if isinstance(policy_or_weights, np.ndarray):
             flat = np.asarray(policy_or_weights, dtype=np.float32).reshape(-1)
         else:
@@ -174,14 +181,14 @@ class WorkerActors:
                     "publish a module like the deployed one"
                 )
             flat = flatten_weights(policy_or_weights)
-        if flat.size != self.weights.weights.size:
-            raise ValueError(f"{flat.size} weights given, the deployed policy has {self.weights.weights.size}")
+        if flat.size != weights.weights.size:
+            raise ValueError(f"{flat.size} weights given, the deployed policy has {weights.weights.size}")
         if version is None:
             version = self.policy_version + 1
         elif check_int("version", version) <= self.policy_version:
             raise ValueError(f"version must be above the current {self.policy_version}, got {version}")
         self.policy_version = version
-        self.weights.write(flat, self.policy_version)
+        weights.write(flat, self.policy_version)
         return self.policy_version
 
     def rollout_async(
@@ -257,6 +264,7 @@ class WorkerActors:
             )
             while lost:  # workers lost during the segment (restart_failed_workers): replacements collect their part
                 replacing = sorted(lost)
+                assert self._restarts is not None  # without restart_failed_workers a lost worker fails the pool
                 self._restarts.replace_lost_in_segment(self._restart_segment)
                 results.update(
                     channel.gather(replacing, "rollout", step=True, timeout=timeout, on_progress=on_progress)
@@ -286,7 +294,7 @@ class WorkerActors:
                 info = infos[0].get(index, {})
                 said = reason if RESTART_INFO_KEY not in info else f"{reason}; then {info[RESTART_INFO_KEY]}"
                 infos[0][index] = {**info, RESTART_INFO_KEY: said}
-        obs_layout, act_layout = channel.buffers.obs_layout, channel.buffers.act_layout
+        obs_layout, act_layout = self._buffers.obs_layout, self._buffers.act_layout
         return Rollout(
             obs=time_major(obs_layout, region.obs),
             actions=time_major(act_layout, region.actions),
@@ -327,6 +335,12 @@ class WorkerActors:
         for handle in handles:
             self.channel.release_region(handle)
 
+    def _weights_region(self) -> WeightsRegion:
+        """The weights region, which :meth:`release` drops only once this policy is replaced or the pool
+        closed, and every call that uses it refuses first (:meth:`_check_current`)."""
+        assert self.weights is not None
+        return self.weights
+
     def _check_current(self) -> None:
         """A later ``deploy`` replaced this policy on the workers, or some of them: acting through
         this object would collect with the other policy, and its weights would reach no worker."""
@@ -348,7 +362,7 @@ class WorkerActors:
             channel = self.channel
             fields = rollout_fields(channel.batch_spec, n_steps)
             handle, memory = channel.share_region(fields_nbytes(fields, channel.num_envs))
-            buffers = channel.buffers
+            buffers = self._buffers
             views = field_views(fields, channel.num_envs, memory)
             region = RolloutArrays(views, buffers.obs_layout, buffers.act_layout, handle=handle)
             slots.insert(0, region)
@@ -366,13 +380,14 @@ class WorkerActors:
     def _restart_segment(self, worker: int, reason: str) -> None:
         """Send the pending segment's request to a worker that replaced a lost one, for ``reason``."""
         self._restart_reasons[worker] = reason  # kept first: Ctrl-C after the send loses no reason
+        assert self._pending is not None  # replacements are made while the segment is pending
         self._send_segment_request(worker, self._pending, self._pending_requests[worker])
 
     def _deliver_weights(self, worker: int) -> None:
         channel = self.channel
         if channel.shares_memory or self._delivered_version[worker] == self.policy_version:
             return
-        channel.send(worker, protocol.Weights(), arrays=self.weights.arrays)
+        channel.send(worker, protocol.Weights(), arrays=self._weights_region().arrays)
         channel.gather([worker], "delivering weights")
         self._delivered_version[worker] = self.policy_version
 

@@ -91,6 +91,7 @@ class AsyncBatches:
                 f"autoreset_mode='next_step' (it has {autoreset_mode!r})"
             )
         buffers = channel.buffers
+        assert buffers is not None  # the pool shares them before anything can make batches
         if not (buffers.obs_layout.buffered and buffers.act_layout.buffered):
             spec = channel.batch_spec
             raise ValueError(
@@ -100,6 +101,7 @@ class AsyncBatches:
         channel.check_usable()
         channel.check_idle()
         self.channel = channel
+        self._buffers = buffers
         self._reset_pool = reset_pool
         self._restarts = restarts
         self.batch_size = batch_size
@@ -169,7 +171,7 @@ class AsyncBatches:
         for parts in channel.gather(workers, "reset").values():
             if parts is not None:
                 infos.update(parts.get("infos", ()))
-        buffers = channel.buffers
+        buffers = self._buffers
         obs = buffers.obs_layout.batch([np.take(array, env_ids, axis=0) for array in buffers.obs])
         return obs, infos
 
@@ -184,7 +186,7 @@ class AsyncBatches:
         channel = self.channel
         channel.check_usable()
         env_ids = self._check_env_ids(env_ids)
-        buffers = channel.buffers
+        buffers = self._buffers
         leaves = buffers.act_layout.check_batch(actions, len(env_ids))
         for buffer, leaf in zip(buffers.actions, leaves):
             buffer[env_ids] = leaf
@@ -212,8 +214,10 @@ class AsyncBatches:
         listed = ids.tolist()
         if len(set(listed)) != len(listed):  # a set: cheaper than np.unique for batch-sized arrays
             seen: set[int] = set()
-            repeated = next(env for env in listed if env in seen or seen.add(env))
-            raise ValueError(f"env id {repeated} is given more than once")
+            for env in listed:
+                if env in seen:
+                    raise ValueError(f"env id {env} is given more than once")
+                seen.add(env)
         waiting = self._returned[ids]
         if not waiting.all():
             env = int(ids[~waiting][0])
@@ -281,7 +285,7 @@ class AsyncBatches:
         count = self.batch_size
         env_ids = self._env_ids
         env_ids[:] = sorted(self._ready.popleft() for _ in range(count))
-        buffers = channel.buffers
+        buffers = self._buffers
         for rows, array in zip(self._obs_rows, buffers.obs):
             np.take(array, env_ids, axis=0, out=rows)
         np.take(buffers.rewards, env_ids, out=self._rewards)

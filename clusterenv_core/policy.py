@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,8 @@ class MultiCategorical(ActionDistribution):
     logits: Sequence[torch.Tensor]
 
     def _divergence(self, current: MultiCategorical) -> torch.Tensor:
-        return sum(_categorical_kl(p, q) for p, q in zip(self.logits, current.logits))
+        # sum() starts from 0, but adding the first tensor makes the total a tensor.
+        return cast("torch.Tensor", sum(_categorical_kl(p, q) for p, q in zip(self.logits, current.logits)))
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,6 +36,8 @@ from clusterenv_core.spaces import common_spaces
 from clusterenv_core.transports import make_transport
 
 if TYPE_CHECKING:
+    from gymnasium import Space
+
     from clusterenv_core.actors import WorkerActors
     from clusterenv_core.batches import AsyncBatches
     from clusterenv_core.restarts import WorkerRestarts
@@ -193,7 +195,7 @@ class EnvPool(NotCopyable):
         channel = WorkerChannel(transport, self.blocks, timeout, max_restarts if restart_failed_workers else None)
         channel.env_restarts[:] = carried
         self._channel = channel
-        self._batched_action_space = None  # built on first use, for spaces without buffers
+        self._batched_action_space: Space | None = None  # built on first use, for spaces without buffers
         self._restarts: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
         transport.worker_modules = tuple(worker_modules)

@@ -42,6 +42,14 @@ class RolloutArrays:
     :param row0: the row of the worker's first env in the views (worker side)
     """
 
+    # The per-step fields (STEP_FIELDS), set by name in __init__.
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    versions: np.ndarray
+
     def __init__(
         self,
         arrays: dict[str, np.ndarray],
@@ -107,6 +115,8 @@ class Rollout:
         """The last observation of the episode env ``index`` ended at ``step``."""
         if (step, index) in self.pickled_final_obs:
             return self.pickled_final_obs[(step, index)]
+        if self._obs_layout is None:  # a Rollout made without a region (by hand): only pickled ones
+            raise KeyError(f"no final observation of env {index} at step {step}")
         return self._obs_layout.read([array[step] for array in self._final_obs], index)
 
     # -- what learners derive from a segment, the same for every adapter --------------------------

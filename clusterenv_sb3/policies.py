@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch as th
@@ -39,7 +39,7 @@ from stable_baselines3.common.distributions import (
     MultiCategoricalDistribution,
     StateDependentNoiseDistribution,
 )
-from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.torch_layers import FlattenExtractor, MlpExtractor
 from stable_baselines3.dqn.policies import QNetwork
@@ -53,6 +53,12 @@ def _to_device(obs: Any, device: th.device) -> Any:
     if isinstance(obs, dict):
         return {key: th.as_tensor(value).to(device) for key, value in obs.items()}
     return th.as_tensor(obs).to(device)
+
+
+def _shape(space: spaces.Space) -> tuple[int, ...]:
+    """The shape of a space the wrappers take (a Box, Discrete, MultiDiscrete or MultiBinary
+    space, as their distributions say), which has one."""
+    return cast("tuple[int, ...]", space.shape)
 
 
 class _Deployable(th.nn.Module):
@@ -108,7 +114,7 @@ class ActorCriticDeployable(_Deployable):
         space = policy.action_space
         self._box = isinstance(space, spaces.Box)
         self._squash = bool(policy.squash_output)
-        if self._box:
+        if isinstance(space, spaces.Box):  # self._box, in a form the type checker follows
             # Plain attributes, not buffers: they are not weights and never travel with them.
             self._low = th.as_tensor(space.low)
             self._high = th.as_tensor(space.high)
@@ -153,7 +159,7 @@ class ActorCriticDeployable(_Deployable):
             return MultiCategorical([part.logits.cpu() for part in dist.distribution])
         if isinstance(dist, BernoulliDistribution):
             return Bernoulli(dist.distribution.logits.cpu())
-        mean = dist.distribution.mean
+        mean = cast(DiagGaussianDistribution, dist).distribution.mean  # the one left (checked in __init__)
         return Gaussian(mean.cpu(), (th.ones_like(mean) * policy.log_std).cpu())
 
 
@@ -173,7 +179,7 @@ def _generic_forward(policy: ActorCriticPolicy) -> Callable[[ActorCriticPolicy, 
 def _actor_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
     distribution = policy.get_distribution(obs)
     actions = distribution.get_actions(deterministic=deterministic)
-    return actions.reshape((-1, *policy.action_space.shape)), distribution.log_prob(actions)
+    return actions.reshape((-1, *_shape(policy.action_space))), distribution.log_prob(actions)
 
 
 def _own_forward(policy: ActorCriticPolicy, obs: Any, deterministic: bool) -> tuple:
@@ -190,7 +196,7 @@ def _relu(x: np.ndarray) -> np.ndarray:
 
 
 # Activation modules and what they compute.
-_ACTIVATIONS = {th.nn.Tanh: np.tanh, th.nn.ReLU: _relu}
+_ACTIVATIONS: dict[type[th.nn.Module], Callable[[np.ndarray], np.ndarray]] = {th.nn.Tanh: np.tanh, th.nn.ReLU: _relu}
 
 
 def _numpy_layers(network: th.nn.Module) -> list | None:
@@ -198,7 +204,7 @@ def _numpy_layers(network: th.nn.Module) -> list | None:
     parameters (``(weight.T, bias)``) and activation functions, or ``None`` for anything else."""
     if not isinstance(network, th.nn.Sequential):
         return None
-    layers = []
+    layers: list[tuple[np.ndarray, np.ndarray] | Callable[[np.ndarray], np.ndarray]] = []
     for module in network:
         if type(module) is th.nn.Linear:
             layers.append(_linear_views(module))
@@ -236,11 +242,11 @@ class _NumpyMlpActor:
         # What SB3's preprocess_obs and FlattenExtractor do to a Box observation, decided once.
         observation_space = policy.observation_space
         self.scale_image = policy.normalize_images and is_image_space(observation_space)
-        self.flatten = len(observation_space.shape) > 1
+        self.flatten = len(_shape(observation_space)) > 1
         action_space = policy.action_space
         # The actions come out as (batch, n) for a Gaussian, (batch,) for a categorical: reshaped to
         # the space's shape unless that is theirs already.
-        shape = action_space.shape
+        shape = _shape(action_space)
         self.action_shape = None if len(shape) == (1 if log_std is not None else 0) else (-1, *shape)
         # What SB3's collect_rollouts sends to the envs: the actions clipped to the Box.
         self.bounds = (action_space.low, action_space.high) if isinstance(action_space, spaces.Box) else None
@@ -267,7 +273,7 @@ class _NumpyMlpActor:
         pi_layers = _numpy_layers(policy.mlp_extractor.policy_net)
         if pi_layers is None:
             return None
-        pi_layers.append(_linear_views(policy.action_net))
+        pi_layers.append(_linear_views(cast(th.nn.Linear, policy.action_net)))  # a Linear: checked above
         log_std = policy.log_std.detach().numpy() if type(policy.action_dist) is DiagGaussianDistribution else None
         return cls(pi_layers, log_std, policy, rng)
 
@@ -351,7 +357,7 @@ class _OffPolicyActorDeployable(_Deployable):
     :param actor: the actor of a SAC or TD3 policy (its ``action_space`` a Box)
     """
 
-    def __init__(self, actor: th.nn.Module) -> None:
+    def __init__(self, actor: BasePolicy) -> None:
         super().__init__()
         if not isinstance(actor.action_space, spaces.Box):
             raise ValueError(f"SAC and TD3 need a Box action space, got {actor.action_space}")
@@ -376,7 +382,7 @@ class _OffPolicyActorDeployable(_Deployable):
             clipped to [-1, 1], one draw per env (SB3's ``NormalActionNoise``, vectorized over envs)
         """
         actor = self.actor
-        space = actor.action_space
+        space = cast(spaces.Box, actor.action_space)  # checked in __init__
         if random:
             n = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
             draw = th.rand((n, *space.shape), dtype=th.float32).numpy()
@@ -396,6 +402,8 @@ class _OffPolicyActorDeployable(_Deployable):
 class SACActorDeployable(_OffPolicyActorDeployable):
     """Deployable view of SAC's actor (``model.actor``; shared, not copied): a squashed diagonal
     Gaussian, sampled on the workers."""
+
+    actor: SACActor
 
     def __init__(self, actor: SACActor) -> None:
         if not isinstance(actor, SACActor):
@@ -423,6 +431,8 @@ class TD3ActorDeployable(_OffPolicyActorDeployable):
         action dimension), which makes the acting policy the Gaussian AAPS compares; ``None``
         without noise (then AAPS cannot measure the drift)
     """
+
+    actor: TD3Actor
 
     def __init__(self, actor: TD3Actor, sigma: np.ndarray | None = None) -> None:
         if not isinstance(actor, TD3Actor):
