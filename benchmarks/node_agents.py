@@ -56,6 +56,7 @@ WORKLOADS = {
     "busy": functools.partial(BusyCartPole, 200.0),
     "sleepy": functools.partial(SleepyCartPole, 200.0),
 }
+RESULT = "RESULT "  # starts the line of a measurement's result in the measuring process's output
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -109,7 +110,9 @@ def measure_in_new_process(
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300 + 3 * seconds, check=False)
     if finished.returncode != 0:
         raise RuntimeError(f"measuring {workload} {layout} failed:\n{finished.stderr}")
-    return json.loads(finished.stdout.strip().splitlines()[-1])
+    # The result's own line: MPI's libraries may print to stdout too (UCX's warnings across hosts).
+    line = next(line for line in reversed(finished.stdout.splitlines()) if line.startswith(RESULT))
+    return json.loads(line[len(RESULT) :])
 
 
 CURVE_PROCESSES = (2, 4, 8, 16, 32)
@@ -194,7 +197,7 @@ def main() -> None:
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # measure's arguments
     args = parser.parse_args()
     if args.measure is not None:
-        print(json.dumps(measure(*json.loads(args.measure))))
+        print(RESULT + json.dumps(measure(*json.loads(args.measure))), flush=True)
         return
 
     configurations = [(workload, layout) for workload in args.workloads for layout in args.layouts]
