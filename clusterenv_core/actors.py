@@ -99,15 +99,15 @@ class WorkerActors:
         fields = weights_fields(flat.size)
         handle, memory = channel.share_region(fields_nbytes(fields, 1))
         self._weights_handle = handle
-        weights = WeightsRegion(field_views(fields, 1, memory))
-        # The versioned weights the workers read; None once release() dropped them.
-        self.weights: WeightsRegion | None = weights
+        # The versioned weights the workers read; None once release() dropped them. No local name
+        # holds them: a failed deploy's traceback keeps this frame, and would keep the region mapped.
+        self.weights: WeightsRegion | None = WeightsRegion(field_views(fields, 1, memory))
         #: version of the last published weights (0: those deployed)
         self.policy_version = 0
         #: size of one copy of the weights
         self.weights_nbytes = flat.nbytes
         try:
-            weights.write(flat, self.policy_version)
+            self._weights_region().write(flat, self.policy_version)
             self._deploy(policy_bytes, seed)
         except BaseException:
             self.release()  # a failed deploy's regions would otherwise stay as long as its traceback
@@ -139,9 +139,9 @@ class WorkerActors:
     def _send_policy(self, worker: int, policy_bytes: bytes, seed: int | None) -> None:
         """Send the policy and, to a worker that does not share the learner's memory, the weights."""
         deliver = not self.channel.shares_memory
-        weights = self._weights_region()
-        request = protocol.Deploy(policy_bytes, self._weights_handle, weights.weights.size, seed, deliver)
-        self.channel.send(worker, request, arrays=weights.arrays if deliver else None)
+        size = self._weights_region().weights.size
+        request = protocol.Deploy(policy_bytes, self._weights_handle, size, seed, deliver)
+        self.channel.send(worker, request, arrays=self._weights_region().arrays if deliver else None)
 
     @property
     def num_workers(self) -> int:

@@ -346,26 +346,28 @@ def test_superseded_and_failed_deploys_release_their_regions_while_referenced():
     # Models keep their WorkerActors, and a caught deploy error its traceback: neither may keep memory.
     before = buffer_mappings()
     pool = EnvPool.make("CartPole-v1", 3, num_workers=3)
-    pool.reset(seeds=[0, 1, 2])
-    pool_only = buffer_mappings()
-    first = pool.deploy(ConstantPolicy(0))
-    first.rollout(3)
-    first.rollout(3)  # both segment regions of this length
-    second = pool.deploy(ConstantPolicy(1))
-    second.rollout(3)
-    with pytest.raises(EnvError, match="no policy is deployed") as caught:
-        pool.deploy(ConstantPolicy(1, refused_by=(pool.worker_pids[2],)))
-    assert buffer_mappings() == pool_only  # none of the three holds a region any more
-    for superseded in (first, second):
-        with pytest.raises(ClusterEnvError, match="no longer deployed"):
-            superseded.rollout(3)
-        with pytest.raises(ClusterEnvError, match="no longer deployed"):
-            superseded.rollout_wait()
-        with pytest.raises(ClusterEnvError, match="no longer deployed"):
-            superseded.publish_weights(ConstantPolicy(0))
-    third = pool.deploy(ConstantPolicy(1))
-    assert third.rollout(3).actions.all()
-    pool.close()
+    try:
+        pool.reset(seeds=[0, 1, 2])
+        pool_only = buffer_mappings()
+        first = pool.deploy(ConstantPolicy(0))
+        first.rollout(3)
+        first.rollout(3)  # both segment regions of this length
+        second = pool.deploy(ConstantPolicy(1))
+        second.rollout(3)
+        with pytest.raises(EnvError, match="no policy is deployed") as caught:
+            pool.deploy(ConstantPolicy(1, refused_by=(pool.worker_pids[2],)))
+        assert buffer_mappings() == pool_only  # none of the three holds a region any more
+        for superseded in (first, second):
+            with pytest.raises(ClusterEnvError, match="no longer deployed"):
+                superseded.rollout(3)
+            with pytest.raises(ClusterEnvError, match="no longer deployed"):
+                superseded.rollout_wait()
+            with pytest.raises(ClusterEnvError, match="no longer deployed"):
+                superseded.publish_weights(ConstantPolicy(0))
+        third = pool.deploy(ConstantPolicy(1))
+        assert third.rollout(3).actions.all()
+    finally:
+        pool.close()  # a failed check must not leave this pool's workers to the next tests
     assert buffer_mappings() == before
     assert caught.value.worker_index == 2
 
