@@ -211,9 +211,12 @@ def test_a_local_process_stuck_past_the_timeout_has_its_agent_replaced():
         stuck = _local_process_of(pool, 3)
         result = pool.step(actions)
         assert result.truncated.tolist() == [False, False, True, True]
+        # Usually the learner's wait ends first and it replaces the agent; on a busy machine the agent's
+        # may end first, and the agent replaces its process: either way, one process replaced.
+        replaced = ("worker 1 was replaced (restart 1 of 3)", "local process 1 of worker 1 (a node agent) was replaced")
         for index in (2, 3):
             reason = result.infos[index][RESTART_INFO_KEY]
-            assert reason.startswith("worker 1 was replaced (restart 1 of 3)") and "did not answer within 2 s" in reason
+            assert reason.startswith(replaced) and "did not answer within 2 s" in reason, reason
         assert pool.restarts == {"envs": 0, "workers": 1}
         pool.step(actions)
     assert wait_until_ended([stuck], within=10 + 5)  # the local backend's orphan_grace, and some
