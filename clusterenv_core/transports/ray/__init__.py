@@ -1,6 +1,6 @@
 """The Ray backend: each worker is a Ray actor, placed on the cluster's nodes by a placement group.
 
-``backend="ray"`` needs Ray (``pip install clusterenv[ray]``), imported only when a pool uses
+``backend="ray"`` needs Ray (``pip install clusterenv-rl[ray]``), imported only when a pool uses
 it. The pool uses the Ray connection this process already has, else connects (the ``address``
 and ``init_options`` options), else starts a local Ray. By default there is one actor per alive
 node with CPUs, each a worker serving its block of envs; with ``processes_per_worker`` > 1 each
@@ -19,7 +19,7 @@ from __future__ import annotations
 try:
     import ray  # noqa: F401
 except ImportError as error:
-    raise ImportError(f"backend='ray' needs Ray: pip install 'clusterenv[ray]' ({error})") from error
+    raise ImportError(f"backend='ray' needs Ray: pip install 'clusterenv-rl[ray]' ({error})") from error
 
 from clusterenv_core.transports.ray.actor import RayWorkerConnection, WorkerActor
 from clusterenv_core.transports.ray.learner import RayTransport
