@@ -480,6 +480,15 @@ class WorkerChannel:
         except NotImplementedError:
             raise self.fail(error) from None
 
+    def move_back(self, workers: Iterable[int]) -> list[int]:
+        """Put those of ``workers`` whose replacement runs outside its place, which has room again,
+        back in it: a new worker each, waiting for its first message; returns them."""
+        displaced = set(self.transport.displaced_workers())
+        moved = [worker for worker in workers if worker in displaced]
+        for worker in moved:
+            self.transport.move_back(worker, self.timeout)
+        return moved
+
     def count_restart(self, worker: int) -> None:
         self.worker_restarts[worker] += 1
         self.restarts["workers"] += 1

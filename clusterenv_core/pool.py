@@ -395,6 +395,10 @@ class EnvPool(NotCopyable):
             vector env the caller stands in for (gymnasium 1.x's ``SyncVectorEnv`` passes both
             always, gymnasium 0.29's neither when ``None``, SB3's ``DummyVecEnv`` ``options`` only
             when set)
+
+        With ``restart_failed_workers``, a worker whose replacement had to run outside its place
+        (Ray: a lost node's actor, no node then having room for its bundle) moves back first when
+        its place has room again and this reset covers all its envs.
         """
         self._channel.check_usable()
         self._channel.check_idle()
@@ -408,6 +412,9 @@ class EnvPool(NotCopyable):
                     f"mask must be a bool array of shape ({self.num_envs},), got {mask.dtype} {mask.shape}"
                 )
         self._channel.drain()
+        if self._restarts is not None:  # a reset boundary: workers a lost node displaced return to their place
+            whole = [w for w, block in enumerate(self.blocks) if mask is None or mask[block.start : block.stop].all()]
+            self._restarts.move_back(whole)
         targets = []
         for worker, block in enumerate(self.blocks):
             block_mask = None if mask is None else mask[block.start : block.stop].tolist()

@@ -111,6 +111,18 @@ class WorkerRestarts:
             self._replace(worker, lost[worker], take_over)
             del lost[worker]
 
+    def move_back(self, workers: list[int]) -> None:
+        """At a reset of all their envs, move each of ``workers`` whose replacement had to run
+        outside its place (a lost node's, with no node then to take it) back to that place, now
+        that it has room: its envs are rebuilt there, with the deployed policy, ready for the
+        reset. Not counted as a restart: nothing failed."""
+        channel = self.channel
+        try:
+            for worker in channel.move_back(workers):
+                self._rebuild(worker)
+        except ClusterEnvError as failure:  # no place and no node left for the envs: the pool cannot go on
+            raise channel.fail(failure) from None
+
     def _replace(
         self, worker: int, error: ClusterEnvError, take_over: Callable[[int, ClusterEnvError], TakeOver]
     ) -> TakeOver:

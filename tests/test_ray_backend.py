@@ -341,7 +341,8 @@ def test_a_lost_actor_is_replaced_and_its_envs_start_new_episodes(no_leaks):
         assert pool.restarts == {"envs": 0, "workers": 1}
         (replacement,) = pool.worker_replacements
         assert replacement["worker"] == 1 and replacement["envs"] == [2, 3]
-        assert (replacement["lost"]["pid"], replacement["replacement"]["pid"]) == (old_pid, pool.worker_pids[1])
+        assert (replacement["from"]["pid"], replacement["to"]["pid"]) == (old_pid, pool.worker_pids[1])
+        assert (replacement["cause"], replacement["in_bundle"]) == ("lost", True)
         pool.step(zeros)
         pool.step(zeros)
         with pytest.raises(WorkerLostError, match="worker 1"):  # the replacement dies too: the budget is spent
@@ -360,12 +361,14 @@ def test_a_stuck_actor_is_replaced(no_leaks, tmp_path):
         assert pool.step(np.zeros(2, dtype=np.int64)).rewards.tolist() == [1.0, 1.0]
 
 
-def test_training_goes_on_through_a_lost_node_and_a_node_without_room_is_a_bounded_clear_error():
+def test_training_goes_on_through_a_lost_node_with_or_without_room_and_no_node_is_a_bounded_clear_error():
     """On a simulated cluster of its own (tests/ray_scripts/elastic_training.py, in a process of its
     own): a node removed during SB3 PPO's ``learn()`` and during ``clusterenv_sb3.PPO`` with AAPS,
     a node added afterwards; both runs finish, the lost block is rebuilt on the new node, and the
-    time from the loss to the next full step is printed. A node lost with no room left fails the
-    pool after ``replace_timeout``, saying what to do."""
+    time from the loss to the next full step is printed. A node lost with no room left: after
+    ``replace_timeout`` the block runs on a surviving node, outside its bundle, and moves back at a
+    reset once a node is added. Every node lost fails the pool after ``replace_timeout``, saying
+    what to do."""
     import json
     import subprocess
     import sys
@@ -381,6 +384,7 @@ def test_training_goes_on_through_a_lost_node_and_a_node_without_room_is_a_bound
         (replacement,) = phase["replacements"]
         start, stop = phase["blocks"][replacement["worker"]]
         assert replacement["envs"] == list(range(start, stop)) and replacement["from"] != replacement["to"]
+        assert (replacement["cause"], replacement["in_bundle"]) == ("lost", True)
         assert phase["restart_infos"] == list(range(start, stop))
         print(f"{run}: from the node's loss to the next full step: {phase['seconds_to_next_full_step']} s")
         assert phase["seconds_to_next_full_step"] < 30
@@ -388,9 +392,24 @@ def test_training_goes_on_through_a_lost_node_and_a_node_without_room_is_a_bound
     assert all(report["sb3_ppo"]["dones"][index] for index in report["sb3_ppo"]["restart_infos"])
     assert report["aaps_ppo"]["restarted_envs"] == report["aaps_ppo"]["restart_infos"]
     no_room = report["no_room"]
-    assert "not running within 3 s: no node had room" in no_room["error"]
-    assert "replace_timeout" in no_room["error"] and "Add a node" in no_room["error"]
-    assert no_room["seconds_to_error"] < 20
+    displaced, moved_back = no_room["replacements"]
+    start, stop = no_room["blocks"][displaced["worker"]]
+    assert no_room["truncated"] == [start <= index < stop for index in range(NUM_ENVS_ELASTIC)]
+    assert (displaced["cause"], displaced["in_bundle"], displaced["envs"]) == ("lost", False, list(range(start, stop)))
+    assert displaced["seconds"] >= 3  # replace_timeout: the bundle waited that long for room
+    print(f"no room: from the node's loss to the next full step: {no_room['seconds_to_next_full_step']} s")
+    assert no_room["seconds_to_next_full_step"] < 30
+    assert (moved_back["cause"], moved_back["in_bundle"], moved_back["worker"]) == ("moved back", True, displaced["worker"])
+    assert moved_back["from"] == displaced["to"] != moved_back["to"]
+    assert no_room["restarts"] == {"envs": 0, "workers": 1}  # moving back is no restart
+    assert no_room["rewards_after_move"] == [1.0] * NUM_ENVS_ELASTIC
+    no_node = report["no_node"]
+    assert "no node can take its envs" in no_node["error"] and "within replace_timeout (3 s" in no_node["error"]
+    assert "Add a node" in no_node["error"]
+    assert no_node["seconds_to_error"] < 20
+
+
+NUM_ENVS_ELASTIC = 6  # tests/ray_scripts/elastic_training.py's
 
 
 def test_the_launch_example_trains_on_a_simulated_three_node_cluster():

@@ -180,6 +180,19 @@ class Transport(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot replace workers")
 
+    def displaced_workers(self) -> list[int]:
+        """Workers whose replacement had to start outside the place reserved for them (no node had
+        room), where that place has room again; empty on backends that reserve no places."""
+        return []
+
+    def move_back(self, worker: int, timeout: float) -> None:
+        """Replace a displaced worker (:meth:`displaced_workers`) by a new one in its own place,
+        waiting for its first message.
+
+        :raises NotImplementedError: the backend reserves no places
+        """
+        raise NotImplementedError(f"{type(self).__name__} reserves no places for workers")
+
     @abstractmethod
     def close(self, timeout: float, closed: set[int]) -> None:
         """Make every worker exit (killing those that do not within ``timeout``) and free resources.

@@ -6,8 +6,10 @@ node in the middle of ``learn()``, with ``restart_failed_workers``:
 2. ``clusterenv_sb3.PPO`` with ``AAPSCallback`` (the workers act and return segments): a node is
    lost while a segment is being collected; its block collects its part anew on a replacement;
    training finishes;
-3. a node lost with no node left with room: the replacement waits ``replace_timeout`` (3 s), then
-   the pool fails with an error saying what to do.
+3. a node lost with no node left with room: the lost bundle waits ``replace_timeout`` (3 s), then
+   its envs run on a surviving node outside the bundle and stepping goes on; a node added later
+   takes them back at the next ``reset()``;
+4. every node lost: the pool fails after ``replace_timeout`` with an error saying what to do.
 
 Prints one JSON line: per phase, which envs were rebuilt where (``EnvPool.worker_replacements``)
 and the seconds from the loss to the next full step. Run by tests/test_ray_backend.py in a process
@@ -48,11 +50,12 @@ class LoseANode(BaseCallback):
         self.lost_at: float | None = None
         self.report: dict = {}
         self._segments = 0
+        self.added = None  # the node added after the loss
 
     def _lose(self) -> None:
         self.cluster.remove_node(self.node)
         self.lost_at = time.monotonic()
-        self.cluster.add_node(num_cpus=1)  # as an autoscaler would: a node with room, after the loss
+        self.added = self.cluster.add_node(num_cpus=1)  # as an autoscaler would: a node with room, after the loss
 
     def _on_rollout_start(self) -> None:
         self._segments += 1
@@ -72,21 +75,27 @@ class LoseANode(BaseCallback):
         return True
 
 
+def _replacements(replacements: list[dict]) -> list[dict]:
+    return [
+        {
+            "worker": r["worker"],
+            "envs": r["envs"],
+            "cause": r["cause"],
+            "from": r["from"]["node"][:8],
+            "to": r["to"]["node"][:8],
+            "in_bundle": r["in_bundle"],
+            "seconds": r["seconds"],
+        }
+        for r in replacements
+    ]
+
+
 def _summary(env: ClusterVecEnv, lose: LoseANode, node_id: str) -> dict:
     replacements = env.pool.worker_replacements
     return {
         **lose.report,
-        "lost_node_held_a_worker": any(r["lost"]["node"] == node_id for r in replacements),
-        "replacements": [
-            {
-                "worker": r["worker"],
-                "envs": r["envs"],
-                "from": r["lost"]["node"][:8],
-                "to": r["replacement"]["node"][:8],
-                "seconds": r["seconds"],
-            }
-            for r in replacements
-        ],
+        "lost_node_held_a_worker": any(r["from"]["node"] == node_id for r in replacements),
+        "replacements": _replacements(replacements),
         "restarts": env.pool.restarts,
         "blocks": [[block.start, block.stop] for block in env.pool.blocks],
     }
@@ -107,6 +116,7 @@ def main() -> None:
         lose = LoseANode(cluster, nodes[1], at=40)
         model = PPO("MlpPolicy", env, n_steps=32, batch_size=96, n_epochs=1, seed=0, device="cpu")
         model.learn(total_timesteps=NUM_ENVS * 32 * 4, callback=lose)
+        first_added = lose.added
         report["sb3_ppo"] = {**_summary(env, lose, nodes[1].node_id), "timesteps": model.num_timesteps}
         env.close()
 
@@ -118,17 +128,48 @@ def main() -> None:
         report["aaps_ppo"] = {**_summary(env, lose, nodes[0].node_id), "timesteps": model.num_timesteps}
         env.close()
 
-        # 3. No node with room: a bounded wait, then a clear error.
+        # 3. No node with room: after replace_timeout the lost envs run on a surviving node, outside
+        # their bundle; a node added later takes them back at the next reset.
+        alive = [nodes[2], first_added, lose.added]
+        actions = np.zeros(NUM_ENVS, dtype=np.int64)
         with EnvPool(env_fns, backend_options={"replace_timeout": 3}, **OPTIONS) as pool:
             pool.reset(seeds=list(range(NUM_ENVS)))
-            cluster.remove_node(nodes[2])
+            cluster.remove_node(alive.pop(0))
+            lost_at = time.monotonic()
+            truncated = pool.step(actions).truncated.tolist()
+            seconds = round(time.monotonic() - lost_at, 2)
+            for _ in range(50):
+                pool.step(actions)
+            alive.append(cluster.add_node(num_cpus=1))
+            added_at = time.monotonic()
+            while not any(r["cause"] == "moved back" for r in pool.worker_replacements):
+                assert time.monotonic() - added_at < 30, "the displaced envs did not move back within 30 s"
+                time.sleep(0.5)
+                pool.reset(seeds=list(range(NUM_ENVS)))
+            moved_back_after = round(time.monotonic() - added_at, 2)
+            rewards = pool.step(actions).rewards.tolist()
+            report["no_room"] = {
+                "seconds_to_next_full_step": seconds,
+                "truncated": truncated,
+                "replacements": _replacements(pool.worker_replacements),
+                "blocks": [[block.start, block.stop] for block in pool.blocks],
+                "restarts": pool.restarts,
+                "seconds_to_move_back": moved_back_after,
+                "rewards_after_move": rewards,
+            }
+
+        # 4. Every node lost: a bounded wait, then a clear error.
+        with EnvPool(env_fns, backend_options={"replace_timeout": 3}, **OPTIONS) as pool:
+            pool.reset(seeds=list(range(NUM_ENVS)))
+            for node in alive:
+                cluster.remove_node(node)
             lost_at = time.monotonic()
             try:
-                pool.step(np.zeros(NUM_ENVS, dtype=np.int64))
+                pool.step(actions)
                 error = ""
             except WorkerLostError as lost:
                 error = str(lost)
-            report["no_room"] = {"error": error, "seconds_to_error": round(time.monotonic() - lost_at, 2)}
+            report["no_node"] = {"error": error, "seconds_to_error": round(time.monotonic() - lost_at, 2)}
         print(json.dumps(report), flush=True)
     finally:
         ray.shutdown()

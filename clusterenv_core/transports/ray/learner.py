@@ -23,25 +23,35 @@ from __future__ import annotations
 import atexit
 import collections
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, ctrl_c_held
 from clusterenv_core.transports.ray.actor import WorkerActor, result_rows
-from clusterenv_core.transports.ray.placement import PLACEMENT_STRATEGIES, connect, cpu_nodes, place, strategy_for
+from clusterenv_core.transports.ray.placement import (
+    PLACEMENT_STRATEGIES,
+    bundle_node,
+    connect,
+    cpu_nodes,
+    least_loaded_node,
+    place,
+    strategy_for,
+)
 
 _START_TIMEOUT = 60.0  # at least this long for actors to start (a Ray worker process, imports)
 _INTERIM_TIMEOUT = 5.0  # how long a busy actor may take to say what it sent so far
 _WAIT_SLICE = 0.5  # the longest single Ray wait, so that Ctrl-C is taken promptly
 _EXIT_GRACE = 5.0  # how long killed actors may take to be gone
+_REPLACE_TIMEOUT = 10.0  # how long a lost actor's bundle waits for a node with room, by default
 
 
 class RayTransport(Transport):
@@ -57,10 +67,12 @@ class RayTransport(Transport):
         node) when the cluster has enough nodes with CPUs, else ``SPREAD``
     :param actor_options: further keywords of the actors' ``.options()`` (``runtime_env``,
         ``memory``, custom ``resources``, ...)
-    :param replace_timeout: how long the replacement of a lost actor (``restart_failed_workers``)
-        may take to be placed and started, in seconds; a lost node's bundle waits that long for a
-        node with room. ``None``: the pool's timeout, at least 60 s. Past it the pool fails with a
-        :class:`~clusterenv_core.errors.WorkerLostError` saying what the cluster has left
+    :param replace_timeout: how long, in seconds, a lost actor's bundle (``restart_failed_workers``)
+        waits for a node with room before its replacement starts outside it, on the surviving node
+        running the fewest of the pool's actors, without reserving CPUs there; the worker returns
+        to its bundle at the first reset of all its envs that finds the bundle placed again. With no
+        node with CPUs left the pool fails with a :class:`~clusterenv_core.errors.WorkerLostError`
+        saying what to do
     """
 
     shares_memory = False
@@ -72,7 +84,7 @@ class RayTransport(Transport):
         cpus_per_actor: float = 1.0,
         placement: str = "auto",
         actor_options: dict[str, Any] | None = None,
-        replace_timeout: float | None = None,
+        replace_timeout: float = _REPLACE_TIMEOUT,
     ) -> None:
         if address is not None and not isinstance(address, str):
             raise ValueError(f"address must be a string or None, got {address!r}")
@@ -90,11 +102,10 @@ class RayTransport(Transport):
         if not number or not 0 < cpus_per_actor < 1e9:
             raise ValueError(f"cpus_per_actor must be a positive number, got {cpus_per_actor!r}")
         self.cpus_per_actor = float(cpus_per_actor)
-        if replace_timeout is not None:
-            number = isinstance(replace_timeout, (int, float)) and not isinstance(replace_timeout, bool)
-            if not number or not 0 < replace_timeout < 1e9:
-                raise ValueError(f"replace_timeout must be a positive number of seconds, got {replace_timeout!r}")
-        self.replace_timeout = replace_timeout
+        number = isinstance(replace_timeout, (int, float)) and not isinstance(replace_timeout, bool)
+        if not number or not 0 < replace_timeout < 1e9:
+            raise ValueError(f"replace_timeout must be a positive number of seconds, got {replace_timeout!r}")
+        self.replace_timeout = float(replace_timeout)
         self.placement = placement
         self.actor_options = dict(actor_options or {})
         self.failed: set[int] = set()
@@ -102,7 +113,8 @@ class RayTransport(Transport):
         self._group: Any = None
         #: the Ray actor of each worker (for Ray's own tools)
         self.actors: list[Any] = []
-        self._replacements: list[dict[str, Any]] = []  # each lost actor's replacement (replacements())
+        self._replacements: list[dict[str, Any]] = []  # each actor's replacement (replacements())
+        self._displaced: set[int] = set()  # workers whose actor runs outside its bundle
         self._where: list[dict[str, Any]] = []  # per worker: pid, host, node
         self._calls: list[collections.deque] = []  # per worker: (call number, ref) of unread requests
         self._inbox: list[collections.deque] = []  # per worker: what finished calls sent, not yet read
@@ -129,9 +141,16 @@ class RayTransport(Transport):
         return [where["pid"] for where in self._where]
 
     def replacements(self) -> list[dict[str, Any]]:
-        """Each lost actor's replacement: the worker, its envs, where the lost actor ran and where the
-        new one runs (pid, host, Ray node), and the seconds the new one took to start."""
+        """Each replacement of an actor: the ``worker``, its ``envs``, the ``cause`` (``"lost"``, or
+        ``"moved back"`` to its bundle), where the old actor ran and the new one runs (``from``,
+        ``to``: pid, host, Ray node), whether the new one runs ``in_bundle``, and the ``seconds``
+        the new one took to start."""
         return [dict(record) for record in self._replacements]
+
+    def displaced_workers(self) -> list[int]:
+        if not self._displaced:
+            return []
+        return sorted(worker for worker in self._displaced if bundle_node(self._group, worker) is not None)
 
     def workers_on_this_host(self) -> int:
         node = ray.get_runtime_context().get_node_id()
@@ -158,9 +177,14 @@ class RayTransport(Transport):
         for worker, hello in enumerate(hellos):
             self._where[worker] = self._result(worker, hello, timeout, "start")
 
-    def _new_actor(self, worker: int) -> Any:
-        strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=worker)
-        options = dict(self.actor_options, num_cpus=self.cpus_per_actor, scheduling_strategy=strategy, max_restarts=0)
+    def _new_actor(self, worker: int, node: str | None = None) -> Any:
+        """The worker's actor, in its bundle; or on ``node`` outside it, reserving no CPUs."""
+        if node is None:
+            strategy: Any = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=worker)
+            cpus = self.cpus_per_actor
+        else:
+            strategy, cpus = NodeAffinitySchedulingStrategy(node, soft=True), 0.0
+        options = dict(self.actor_options, num_cpus=cpus, scheduling_strategy=strategy, max_restarts=0)
         return WorkerActor.options(**options).remote(worker, self.agent_block)
 
     def _at_exit(self) -> None:
@@ -344,56 +368,72 @@ class RayTransport(Transport):
     # -- replacing and ending ---------------------------------------------------------------------
 
     def restart(self, worker: int, timeout: float) -> None:
-        """Kill the worker's actor and start a new one in its bundle (Ray moves a bundle whose node
-        was lost to a node with room, if any)."""
+        """Replace the worker's actor, lost or stuck (see :meth:`_replace`)."""
+        self._replace(worker, timeout, "lost")
+
+    def move_back(self, worker: int, timeout: float) -> None:
+        self._replace(worker, timeout, "moved back")
+
+    def _replace(self, worker: int, timeout: float, cause: str) -> None:
+        """Kill the worker's actor and start a new one in its bundle, which Ray places again on a
+        node with room when its node was lost. If none has room within ``replace_timeout``, the new
+        actor starts outside the bundle on the surviving node running the fewest of the pool's
+        actors, and the worker is displaced until its bundle is placed again."""
         if self._closed:
             raise WorkerLostError(f"worker {worker}: the Ray transport is closed")
         began = time.monotonic()
-        lost = self._where[worker]
+        previous = self._where[worker]
         ray.kill(self.actors[worker], no_restart=True)
         self._steps[worker] = None
         self._calls[worker].clear()
         self._inbox[worker].clear()
         self._where[worker] = {"pid": 0, "host": "?", "node": None}
-        self.actors[worker] = self._new_actor(worker)
         self.failed.discard(worker)
-        self._last_contact[worker] = time.monotonic()
+        self._displaced.discard(worker)
+        self._last_contact[worker] = began
+        self.actors[worker] = self._new_actor(worker)
         hello = self.actors[worker].hello.remote()
-        wait = max(timeout, _START_TIMEOUT) if self.replace_timeout is None else self.replace_timeout
-        try:
-            self._where[worker] = ray.get(hello, timeout=wait)
-        except GetTimeoutError:
-            self.failed.add(worker)
-            raise WorkerLostError(self._not_replaced(worker, wait)) from None
-        except RayError:
-            self._where[worker] = self._result(worker, hello, 0.0, "start")  # the error naming the worker
-        block = self.blocks[worker] if worker < len(self.blocks) else range(0)
+        started = False
+        while not started and bundle_node(self._group, worker) is None:
+            if time.monotonic() - began >= self.replace_timeout:
+                hello = self._start_outside_bundle(worker)
+                break
+            started = bool(ray.wait([hello], timeout=_WAIT_SLICE)[0])
+        self._where[worker] = self._result(worker, hello, max(timeout, _START_TIMEOUT), "start")
+        in_bundle = worker not in self._displaced
         self._replacements.append(
             {
                 "worker": worker,
-                "envs": list(block),
-                "lost": dict(lost),
-                "replacement": dict(self._where[worker]),
+                "envs": list(self.blocks[worker]) if worker < len(self.blocks) else [],
+                "cause": cause,
+                "from": dict(previous),
+                "to": dict(self._where[worker]),
+                "in_bundle": in_bundle,
                 "seconds": round(time.monotonic() - began, 3),
             }
         )
 
-    def _not_replaced(self, worker: int, wait: float) -> str:
-        """Why a lost worker's replacement is not running after ``wait`` seconds, and what to do."""
+    def _start_outside_bundle(self, worker: int) -> Any:
+        """Start the worker's actor on the surviving node running the fewest of the pool's actors,
+        its bundle having found no room; returns the ref of its ``hello``."""
+        ray.kill(self.actors[worker], no_restart=True)
+        others = Counter(self._where[other]["node"] for other in range(len(self.actors)) if other != worker)
+        node = least_loaded_node(others)
+        if node is None:
+            self.failed.add(worker)
+            raise WorkerLostError(self._not_replaced(worker))
+        self._displaced.add(worker)
+        self.actors[worker] = self._new_actor(worker, node)
+        return self.actors[worker].hello.remote()
+
+    def _not_replaced(self, worker: int) -> str:
+        """Why a lost worker cannot be replaced (no node with CPUs is left), and what to do."""
         state = placement_group_table(self._group).get("state", "?")
-        nodes = cpu_nodes()
-        free = ray.available_resources().get("CPU", 0.0)
-        unplaced = state != "CREATED"
-        why = (
-            f"no node had room for its bundle of {self.cpus_per_actor:g} CPUs (placement group {state})"
-            if unplaced
-            else "its actor was placed but did not start"
-        )
         return (
-            f"worker {worker}{self.envs_of(worker)}: lost, and its replacement was not running within "
-            f"{wait:g} s: {why}; the cluster has {len(nodes)} alive nodes with CPUs, {free:g} CPUs free. "
-            "Add a node (ray start --address=..., or let the autoscaler add one), raise the backend option "
-            "replace_timeout, or start again with fewer workers (num_workers)"
+            f"worker {worker}{self.envs_of(worker)}: lost, and no node can take its envs: none had room for "
+            f"its bundle of {self.cpus_per_actor:g} CPUs within replace_timeout ({self.replace_timeout:g} s, "
+            f"placement group {state}) and no node with CPUs is left. Add a node (ray start --address=..., "
+            "or let the autoscaler add one) or start again when the cluster has nodes"
         )
 
     def close(self, timeout: float, closed: set[int]) -> None:
@@ -409,6 +449,7 @@ class RayTransport(Transport):
     def _release(self) -> None:
         actors, self.actors = [actor for actor in self.actors if actor is not None], []
         group, self._group = self._group, None
+        self._displaced = set()
         self._calls, self._inbox, self._steps = [], [], []
         self._shared, self._buffers, self._rows, self._regions = None, None, [], {}
         if not ray.is_initialized():

@@ -3,15 +3,18 @@
 The pool uses the Ray the user's process already has (``ray.is_initialized()``), else connects with
 ``ray.init(address=..., **init_options)`` (``address=None``: Ray's own choice, ``RAY_ADDRESS`` or a
 new local instance). One placement group holds a bundle per worker: ``STRICT_SPREAD`` (one worker
-per node) when the cluster has a node with CPUs for every worker, else ``SPREAD``.
+per node) when the cluster has a node with CPUs for every worker, else ``SPREAD``. Ray places a
+lost node's bundles again on nodes with room; a replacement that finds none in time runs outside
+its bundle, on the surviving node with the fewest of the pool's actors.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from clusterenv_core.errors import WorkerTimeoutError
 
@@ -51,3 +54,18 @@ def place(num_workers: int, cpus_per_actor: float, strategy: str, timeout: float
             "cpus_per_actor, or choose another placement)"
         )
     return group
+
+
+def bundle_node(group: PlacementGroup, index: int) -> str | None:
+    """The node holding bundle ``index`` of ``group``, ``None`` while it is not placed (its node
+    was lost and no node has had room for it since)."""
+    return placement_group_table(group)["bundles_to_node_id"].get(index) or None
+
+
+def least_loaded_node(actors_per_node: Counter) -> str | None:
+    """The alive node with CPUs that runs the fewest of the pool's actors (``actors_per_node``, by
+    node id), the one with the most CPUs among equals; ``None`` when no node with CPUs is left."""
+    nodes = cpu_nodes()
+    if not nodes:
+        return None
+    return min(nodes, key=lambda node: (actors_per_node[node["NodeID"]], -node["Resources"]["CPU"]))["NodeID"]
