@@ -85,7 +85,9 @@ class EnvPool(NotCopyable):
         this many local processes (a node agent, :mod:`clusterenv_core.node_agent`), answering
         once per request for the block; at most the envs of the smallest block. Not with
         ``inline_worker`` (``ValueError``), which steps a block in the learner's process, not on local
-        processes of its own
+        processes of its own. ``None``: when ``num_workers`` is not given either, the backend's own
+        (Ray: the CPUs of its smallest node with CPUs, so that each node's actor uses its node's
+        cores), at most the envs of the smallest block; else 1
     :param backend_options: keyword arguments of the backend's transport
     :param carried_env_restarts: the envs replace those of a lost worker (the pool of a node agent
         that replaces a lost one): how often each was replaced so far, a budget they carry over; in
@@ -118,7 +120,7 @@ class EnvPool(NotCopyable):
         restart_failed_envs: bool = False,
         restart_failed_workers: bool = False,
         max_restarts: int = 3,
-        processes_per_worker: int = 1,
+        processes_per_worker: int | None = None,
         backend_options: dict[str, Any] | None = None,
         carried_env_restarts: Sequence[int] | None = None,
         observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
@@ -139,6 +141,7 @@ class EnvPool(NotCopyable):
         restart_failed_workers = check_bool("restart_failed_workers", restart_failed_workers)
         # Constructing a transport starts nothing; it may know how many workers there are (MPI ranks).
         transport = make_transport(backend, **(backend_options or {}))
+        layout_by_backend = num_workers is None
         if num_workers is None:
             num_workers = transport.default_num_workers() or min(num_envs, os.cpu_count() or 1)
         num_workers = check_int("num_workers", num_workers)
@@ -155,6 +158,9 @@ class EnvPool(NotCopyable):
         self.max_restarts = max_restarts
         #: the global env indices of each worker's block
         self.blocks = contiguous_blocks(num_envs, num_workers)
+        if processes_per_worker is None:
+            offered = transport.default_processes_per_worker() if layout_by_backend else None
+            processes_per_worker = min(offered or 1, min(len(block) for block in self.blocks))
         self.processes_per_worker = checks.check_processes_per_worker(
             processes_per_worker, min(len(block) for block in self.blocks), transport.has_inline_worker
         )

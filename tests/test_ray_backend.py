@@ -178,9 +178,16 @@ def test_actors_that_cannot_be_placed_are_a_clear_error(no_leaks):
         EnvPool([make_cartpole] * 2, num_workers=2, backend="ray", backend_options={"cpus_per_actor": 2}, timeout=1)
 
 
-def test_default_is_one_actor_per_node():
+def test_default_is_one_actor_per_node_with_a_process_per_cpu():
     with EnvPool([make_cartpole] * 3, backend="ray") as pool:
-        assert pool.num_workers == 1  # the test Ray is one node
+        assert pool.num_workers == 1  # the test Ray is one node, of 2 CPUs
+        assert pool.processes_per_worker == 2
+        pool.reset(seeds=[0, 1, 2])
+        assert pool.step(np.zeros(3, dtype=np.int64)).rewards.tolist() == [1.0] * 3
+    with EnvPool([make_cartpole] * 3, backend="ray", num_workers=2) as pool:
+        assert pool.processes_per_worker == 1  # a layout of the user's: one process per actor unless told
+    with EnvPool([make_cartpole], backend="ray") as pool:
+        assert pool.processes_per_worker == 1  # at most the envs of a block
 
 
 # -- worker-side inference (flat actors) -------------------------------------------------------------

@@ -94,6 +94,11 @@ class Transport(ABC):
         ``None`` to let the pool choose."""
         return None
 
+    def default_processes_per_worker(self) -> int | None:
+        """How many local processes each of :meth:`default_num_workers`'s workers should run (e.g.
+        the CPUs of a Ray node, for one node agent per node), or ``None`` for one."""
+        return None
+
     @abstractmethod
     def worker_pids(self) -> list[int]:
         """The process id of each worker (on its own host), for monitoring."""

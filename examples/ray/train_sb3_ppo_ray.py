@@ -35,7 +35,9 @@ def main() -> None:
     parser.add_argument("--timesteps", type=int, default=150_000)
     parser.add_argument("--n-envs", type=int, default=16)
     parser.add_argument("--num-workers", type=int, default=None, help="actors; default: one per node with CPUs")
-    parser.add_argument("--processes-per-worker", type=int, default=1, help="local processes of each actor")
+    parser.add_argument(
+        "--processes-per-worker", type=int, default=None, help="local processes of each actor; default: a node's CPUs"
+    )
     parser.add_argument("--restart-failed-workers", action="store_true", help="replace lost actors, train on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-episodes", type=int, default=10)
@@ -58,7 +60,7 @@ def main() -> None:
     )
     nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0}
     print(
-        f"{args.n_envs} envs on {env.pool.num_workers} Ray actors x {args.processes_per_worker} processes, "
+        f"{args.n_envs} envs on {env.pool.num_workers} Ray actors x {env.pool.processes_per_worker} processes, "
         f"{len(nodes)} nodes with CPUs",
         flush=True,
     )

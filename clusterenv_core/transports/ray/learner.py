@@ -137,6 +137,13 @@ class RayTransport(Transport):
         connect(self.address, self.init_options)
         return len(cpu_nodes()) or None
 
+    def default_processes_per_worker(self) -> int | None:
+        """The CPUs of the smallest alive node with CPUs: with an actor per node, each uses its
+        node's cores (the smallest's, where the nodes differ)."""
+        connect(self.address, self.init_options)
+        cpus = [node["Resources"]["CPU"] for node in cpu_nodes()]
+        return max(int(min(cpus)), 1) if cpus else None
+
     def worker_pids(self) -> list[int]:
         return [where["pid"] for where in self._where]
 
