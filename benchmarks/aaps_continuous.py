@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import measuring  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -157,10 +159,8 @@ def main() -> None:
                 flush=True,
             )
             rows, target = table(runs)
-            os.makedirs(os.path.dirname(args.json), exist_ok=True)
-            with open(args.json, "w") as file:
-                json.dump({"command": "python benchmarks/aaps_continuous.py " + " ".join(sys.argv[1:]),
-                           "rows": rows, "target": target, "runs": runs}, file, indent=2)
+            record = {"command": measuring.command(), "rows": rows, "target": target, "runs": runs}
+            measuring.write_json(args.json, record)
     rows, target = table(runs)
     print("\n| configuration | train return | eval return | syncs / updates | weights MB | s per run |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+import measuring
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,7 +282,7 @@ def main() -> None:
         data = {"config": config, "runs": runs, "summary": summarize(runs, config["policies"], config["envs"])}
         data["target"] = evaluate_target(data["summary"])
         data["sweep_seconds"] = {part["config"]["envs"][0]: part["sweep_seconds"] for part in parts}
-        opts.json.write_text(json.dumps(data, indent=1))
+        measuring.write_json(opts.json, data)
         opts.plot_only = True
     if opts.plot_only:
         data = json.loads(opts.json.read_text())
@@ -309,7 +310,7 @@ def main() -> None:
         "eval_episodes": opts.eval_episodes,
         "ppo": "examples/cleanrl/ppo_aaps.py defaults (4 envs x 128 steps, 4 epochs x 4 minibatches)",
         "cpus": os.cpu_count(),
-        "command": " ".join(["python", *sys.argv]),
+        "command": measuring.command(),
     }
     runs: list[dict] = []
     if opts.resume and opts.json.exists():
@@ -317,7 +318,6 @@ def main() -> None:
     done = {(r["env_id"], r["policy"], r["seed"]) for r in runs}
 
     ppo = load_ppo_aaps()
-    opts.json.parent.mkdir(parents=True, exist_ok=True)
     sweep_start = time.time()
     for env_id in opts.envs:
         for seed in opts.seeds:
@@ -357,7 +357,7 @@ def main() -> None:
                 data["summary"] = summarize(runs, labels, opts.envs)
                 data["target"] = evaluate_target(data["summary"])
                 data["sweep_seconds"] = time.time() - sweep_start
-                opts.json.write_text(json.dumps(data, indent=1))
+                measuring.write_json(opts.json, data)
     data = json.loads(opts.json.read_text())
     plot(data, opts.png)
     print(format_table(data))

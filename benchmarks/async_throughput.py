@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -35,6 +33,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gymnasium as gym  # noqa: E402
+import measuring  # noqa: E402
 import numpy as np  # noqa: E402
 
 from clusterenv_core import EnvPool  # noqa: E402
@@ -80,15 +79,10 @@ def simulated_ideal(workload: str, steps: int = 20000) -> float | None:
     return float(costs.max(axis=1).mean() / costs.mean())
 
 
-def actions_for(space: gym.Space, count: int, rows: int) -> list[np.ndarray]:
-    space.seed(0)
-    return [np.stack([space.sample() for _ in range(rows)]) for _ in range(count)]
-
-
 def measure_sync(fns: list, seconds: float, backend: str) -> float:
     with EnvPool(fns, num_workers=NUM_WORKERS, autoreset_mode="next_step", backend=backend) as pool:
         pool.reset(seeds=list(range(NUM_ENVS)))
-        actions = actions_for(pool.action_space, 64, NUM_ENVS)
+        actions = measuring.random_actions(pool.action_space, NUM_ENVS, 64)
         for index in range(20):
             pool.step(actions[index % 64])
         steps, started = 0, time.perf_counter()
@@ -102,7 +96,7 @@ def measure_async(fns: list, seconds: float, backend: str) -> float:
     with EnvPool(fns, num_workers=NUM_WORKERS, autoreset_mode="next_step", backend=backend) as pool:
         batches = pool.async_batches(BATCH_SIZE)
         batches.reset(seeds=list(range(NUM_ENVS)))
-        actions = actions_for(pool.action_space, 64, BATCH_SIZE)
+        actions = measuring.random_actions(pool.action_space, BATCH_SIZE, 64)
         for index in range(40):
             batches.send(actions[index % 64], batches.recv().env_ids)
         recvs, started = 0, time.perf_counter()
@@ -117,7 +111,7 @@ def measure_envpool(task: str, seconds: float, batch_size: int) -> float:
 
     envs = envpool.make_gymnasium(task, num_envs=NUM_ENVS, batch_size=batch_size, num_threads=NUM_WORKERS, seed=0)
     try:
-        actions = actions_for(envs.action_space, 64, batch_size)
+        actions = measuring.random_actions(envs.action_space, batch_size, 64)
         envs.async_reset()
         recvs, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
@@ -172,10 +166,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for workload in args.workloads:
         configs = configurations(workload, args.mpi)
-        samples: dict[str, list[float]] = {name: [] for name in configs}
-        for _ in range(args.rounds):
-            for name, measure in configs.items():
-                samples[name].append(measure(args.seconds))
+        measured = measuring.measure_rounds(list(configs.values()), args.rounds, lambda run: run(args.seconds))
+        samples = dict(zip(configs, measured))
         medians = {name: statistics.median(values) for name, values in samples.items()}
         ideal = simulated_ideal(workload)
         for name, value in medians.items():
@@ -205,19 +197,16 @@ def main() -> None:
         steps = f"{row['steps_per_s']:,}" if "steps_per_s" in row else "—"
         versus = f"{row['vs_clusterenv_sync']:.2f}x" if "vs_clusterenv_sync" in row else "—"
         print(f"| {TITLES[row['workload']]} | {row['config']} | {steps} | {row['vs_own_sync']:.2f}x | {versus} |")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as file:
-        json.dump(
-            {
-                "command": "python benchmarks/async_throughput.py " + " ".join(sys.argv[1:]),
-                "setup": f"{NUM_ENVS} envs, {NUM_WORKERS} workers, batch_size {BATCH_SIZE}, next-step autoreset, "
-                f"random actions; {args.seconds:g} s x {args.rounds} rounds, median",
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                "rows": rows,
-            },
-            file,
-            indent=2,
-        )
+    measuring.write_json(
+        args.json,
+        {
+            "command": measuring.command(),
+            "setup": f"{NUM_ENVS} envs, {NUM_WORKERS} workers, batch_size {BATCH_SIZE}, next-step autoreset, "
+            f"random actions; {args.seconds:g} s x {args.rounds} rounds, median",
+            "machine": measuring.machine(),
+            "rows": rows,
+        },
+    )
     print(f"\nwrote {args.json}")
 
 

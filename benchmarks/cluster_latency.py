@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import sys
 import time
 
@@ -39,9 +38,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import gymnasium as gym  # noqa: E402
+import measuring  # noqa: E402
 import torch  # noqa: E402
 
-from clusterenv_core.policy import Categorical
+from clusterenv_core.policy import Categorical  # noqa: E402
 from clusterenv_sb3 import ClusterVecEnv  # noqa: E402
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -149,7 +149,7 @@ def main() -> None:
         f"{rollout_sps:,.0f} steps/s ({segment_ms:.1f} ms a {args.n_steps}-step segment): x{rollout_sps / central_sps:.1f}",
         flush=True,
     )
-    print("RESULT " + json.dumps(result), flush=True)
+    measuring.print_result(result)  # the marked line tests/cluster/netns.sh looks for
     if args.json:
         merge(args.json, result, args)
 
@@ -168,19 +168,14 @@ def merge(path: str, result: dict, args: argparse.Namespace) -> None:
         "seconds_per_mode": args.seconds,
         "policy": "MLP 4-64-64-2 (+value), torch, 1 thread, sampling",
     }
-    data["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    data["machine"] = measuring.machine()
     if args.setup:
         data["setup"] = args.setup
     runs = [run for run in data.get("runs", []) if run.get("label") != result["label"]]
     runs.append(result)
     runs.sort(key=lambda run: (run.get("delay_ms") is None, run.get("delay_ms") or 0.0, run["label"]))
     data["runs"] = runs
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with open(path + ".tmp", "w") as file:
-        json.dump(data, file, indent=2)
-        file.write("\n")
-    os.replace(path + ".tmp", path)
+    measuring.write_json(path, data)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ import functools
 import os
 import time
 
+import measuring
 import numpy as np
 import torch
-from learn_throughput import RUNS, write_results
+from learn_throughput import RUNS
 from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.vec_env import DummyVecEnv
 
@@ -87,7 +88,8 @@ def main() -> None:
             f"| {args.run} | {name} | {row['steps_per_s']:,.0f} | {row['vs_dummy']:.2f}x"
             f" ({ratios.min():.2f}–{ratios.max():.2f}) |"
         )
-    write_results(args.json, results, chunk=args.chunk)
+    measuring.write_json(args.json, {"machine": measuring.machine(), "chunk": args.chunk, "results": results})
+    print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import time
 from typing import Any
 
+import measuring
 import torch
 from stable_baselines3 import PPO, SAC
 from stable_baselines3.common.env_util import make_atari_env, make_vec_env
@@ -154,15 +153,6 @@ def measure(run: dict, vec_name: str, vec_env_cls: type, vec_env_kwargs: dict, a
     }
 
 
-def write_results(path: str, results: list[dict], **settings: Any) -> None:
-    """Write ``results`` and the machine they were measured on (plus ``settings``) as JSON."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as file:
-        machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
-        json.dump({"machine": machine, **settings, "results": results}, file, indent=2)
-    print(f"\nwrote {path}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
@@ -187,23 +177,23 @@ def main() -> None:
             label = f"clusterenv_sb3.{worker_side.__name__}"
             configs.append((label, ClusterVecEnv, {}, worker_side, {}))
             configs.append((f"{label}, overlap", ClusterVecEnv, {}, worker_side, {"overlap_collection": True}))
-        # Repeats go round all configurations in turn, so a slow spell of the machine hits each alike;
-        # the run with the median env steps/s of each configuration is reported.
-        measured: dict[str, list[dict]] = {config[0]: [] for config in configs}
-        for _ in range(args.repeats):
-            for vec_name, cls, kwargs, algorithm_cls, extra in configs:
-                row = measure(run, vec_name, cls, kwargs, algorithm_cls, **extra)
-                row["run"] = name
-                measured[vec_name].append(row)
-                print(
-                    f"{name:16s} {vec_name:30s} {row['steps_per_s']:7.0f} env steps/s  learn {row['learn_s']:6.1f} s"
-                    f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})"
-                    f"  model {row['model_s']:4.1f} s",
-                    flush=True,
-                )
+
+        def measure_config(config: tuple[str, type, dict, type, dict]) -> dict:
+            vec_name, cls, kwargs, algorithm_cls, extra = config
+            return {**measure(run, vec_name, cls, kwargs, algorithm_cls, **extra), "run": name}
+
+        def progress(number: int, config: tuple, row: dict) -> None:
+            print(
+                f"{name:16s} {row['vec_env']:30s} {row['steps_per_s']:7.0f} env steps/s  learn {row['learn_s']:6.1f} s"
+                f" (collect {row['collect_s']:6.1f}, train {row['train_s']:6.1f}, setup {row['setup_s']:5.1f})"
+                f"  model {row['model_s']:4.1f} s",
+                flush=True,
+            )
+
+        # The run with the median env steps/s of each configuration is reported.
         rows = []
-        for repeats in measured.values():
-            row = sorted(repeats, key=lambda entry: entry["steps_per_s"])[len(repeats) // 2]
+        for repeats in measuring.measure_rounds(configs, args.repeats, measure_config, progress=progress):
+            row = measuring.median_round(repeats, "steps_per_s")
             row["repeats"] = [entry["steps_per_s"] for entry in repeats]
             rows.append(row)
         dummy = rows[0]["steps_per_s"]
@@ -219,7 +209,8 @@ def main() -> None:
             f"| {row['run']} | {row['vec_env']} | {row['steps_per_s']:,.0f} | {row['vs_dummy']:.2f}x | {row['learn_s']:.1f} |"
             f" {row['collect_s']:.1f} | {row['train_s']:.1f} | {row['setup_s']:.1f} | {row['model_s']:.1f} |"
         )
-    write_results(args.json, results)
+    measuring.write_json(args.json, {"machine": measuring.machine(), "results": results})
+    print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

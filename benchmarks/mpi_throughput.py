@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -41,26 +40,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import measuring
 from benchmark_envs import NoopEnv
 
 from clusterenv_core import EnvPool  # noqa: E402
 
 NUM_ENVS = 32
 NUM_WORKERS = 2
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of processes (Linux /proc; ticks of 1/100 s)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except OSError:
-            pass
-    return total / ticks
 
 
 def measure(backend: str, options: dict, seconds: float) -> dict:
@@ -72,23 +58,11 @@ def measure(backend: str, options: dict, seconds: float) -> dict:
     actions = np.random.default_rng(0).integers(0, 2, size=(1024, NUM_ENVS))
     try:
         pool.reset(seeds=list(range(NUM_ENVS)))
-        for i in range(50):  # warm-up
-            pool.step(actions[i])
-        pids = [os.getpid(), *pool.worker_pids]
-        cpu_before = _cpu_seconds(pids)
-        steps = 0
-        started = time.perf_counter()
-        deadline = started + seconds
-        while time.perf_counter() < deadline:
-            for i in range(32):
-                pool.step(actions[(steps + i) % 1024])
-            steps += 32
-        elapsed = time.perf_counter() - started
-        cpu = _cpu_seconds(pids) - cpu_before
-        workers = pids[1:]
-        idle_before = _cpu_seconds(workers)
+        workers = pool.worker_pids
+        timing = measuring.time_steps(pool.step, actions, seconds, warmup=50, chunk=32, worker_pids=workers)
+        idle_before = sum(measuring.process_cpu_seconds(pid) for pid in workers)
         time.sleep(1.0)
-        idle = _cpu_seconds(workers) - idle_before
+        idle = sum(measuring.process_cpu_seconds(pid) for pid in workers) - idle_before
     finally:
         pool.close()
     with EnvPool([NoopEnv] * NUM_WORKERS, num_workers=NUM_WORKERS, backend=backend, backend_options=options) as noop:
@@ -104,46 +78,36 @@ def measure(backend: str, options: dict, seconds: float) -> dict:
         rtt = (time.perf_counter() - started) / count
     return {
         "construct_s": construct,
-        "steps_per_s": steps * NUM_ENVS / elapsed,
-        "step_us": elapsed / steps * 1e6,
+        "steps_per_s": timing.steps_per_s,
+        "step_us": timing.step_us,
         "rtt_us": rtt * 1e6,
-        "cpu_cores": cpu / elapsed,
+        "cpu_cores": (timing.cpu_seconds + sum(timing.worker_cpu_seconds)) / timing.seconds,
         "idle_worker_cpu": idle,
     }
 
 
-def measure_in_new_process(backend: str, options: dict, seconds: float) -> dict:
-    """:func:`measure` in a fresh interpreter (this script with ``--measure``)."""
-    command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([backend, options, seconds])]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300 + 3 * seconds)
-    if finished.returncode != 0:
-        raise RuntimeError(f"measuring {backend} {options} failed:\n{finished.stderr}")
-    return json.loads(finished.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
+    if measuring.measure_if_asked(measure):
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
     parser.add_argument("--mpi-options", type=json.loads, nargs="*", default=[], help="extra MPI option sets (JSON)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--same-process", action="store_true", help="measure every pool in this process")
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # [backend, options, seconds]
     args = parser.parse_args()
-    if args.measure is not None:
-        print(json.dumps(measure(*json.loads(args.measure))))
-        return
-    run = measure if args.same_process else measure_in_new_process
+
+    def run(backend: str, options: dict) -> dict:
+        if args.same_process:
+            return measure(backend, options, args.seconds)
+        return measuring.measure_in_new_process(__file__, [backend, options, args.seconds], 300 + 3 * args.seconds)
 
     configurations = [("local", {}), ("mpi", {})] + [("mpi", options) for options in args.mpi_options]
-    rounds: list[list[dict]] = [[] for _ in configurations]
-    for _ in range(args.rounds):
-        for index, (backend, options) in enumerate(configurations):
-            rounds[index].append(run(backend, options, args.seconds))
+    rounds = measuring.measure_rounds(configurations, args.rounds, lambda configuration: run(*configuration))
 
     results = []
     for (backend, options), measured in zip(configurations, rounds):
-        median = sorted(measured, key=lambda m: m["steps_per_s"])[len(measured) // 2]
+        median = measuring.median_round(measured, "steps_per_s")
         results.append(
             {
                 "backend": backend,
@@ -173,25 +137,22 @@ def main() -> None:
     spread = [statistics.pstdev(r["steps_per_s_rounds"]) / statistics.mean(r["steps_per_s_rounds"]) for r in results]
     print(f"round-to-round spread (stdev/mean): {', '.join(f'{s:.0%}' for s in spread)}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as file:
-            json.dump(
-                {
-                    "env": "CartPole-v1",
-                    "num_envs": NUM_ENVS,
-                    "num_workers": NUM_WORKERS,
-                    "seconds": args.seconds,
-                    "rounds": args.rounds,
-                    "same_process": args.same_process,
-                    "cpu_count": os.cpu_count(),
-                    "load_average": os.getloadavg(),
-                    "python": platform.python_version(),
-                    "mpi_ratio_to_local": results[1]["steps_per_s"] / local,
-                    "results": results,
-                },
-                file,
-                indent=2,
-            )
+        measuring.write_json(
+            args.json,
+            {
+                "env": "CartPole-v1",
+                "num_envs": NUM_ENVS,
+                "num_workers": NUM_WORKERS,
+                "seconds": args.seconds,
+                "rounds": args.rounds,
+                "same_process": args.same_process,
+                "cpu_count": os.cpu_count(),
+                "load_average": os.getloadavg(),
+                "python": platform.python_version(),
+                "mpi_ratio_to_local": results[1]["steps_per_s"] / local,
+                "results": results,
+            },
+        )
 
 
 if __name__ == "__main__":

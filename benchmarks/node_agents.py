@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -46,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import measuring
 from benchmark_envs import BusyCartPole, NoopEnv, SleepyCartPole
 
 from clusterenv_core import EnvPool
@@ -56,7 +56,6 @@ WORKLOADS = {
     "busy": functools.partial(BusyCartPole, 200.0),
     "sleepy": functools.partial(SleepyCartPole, 200.0),
 }
-RESULT = "RESULT "  # starts the line of a measurement's result in the measuring process's output
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -81,38 +80,10 @@ def measure(workload: str, layout: str, envs_per_process: int, seconds: float, b
     actions = np.random.default_rng(0).integers(0, 2, size=(256, num_envs))
     try:
         pool.reset(seeds=list(range(num_envs)))
-        for i in range(100):  # warm-up
-            pool.step(actions[i % 256])
-        steps = 0
-        cpu_started, started = time.process_time(), time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            for i in range(32):
-                pool.step(actions[(steps + i) % 256])
-            steps += 32
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        timing = measuring.time_steps(pool.step, actions, seconds, warmup=100, chunk=32)
     finally:
         pool.close()
-    return {
-        "construct_s": construct,
-        "steps": steps,
-        "learner_us": cpu / steps * 1e6,
-        "step_us": elapsed / steps * 1e6,
-        "steps_per_s": steps * num_envs / elapsed,
-    }
-
-
-def measure_in_new_process(
-    workload: str, layout: str, envs_per_process: int, seconds: float, backend_options: dict
-) -> dict:
-    """:func:`measure` in a fresh interpreter (this script with ``--measure``)."""
-    arguments = json.dumps([workload, layout, envs_per_process, seconds, backend_options])
-    command = [sys.executable, os.path.abspath(__file__), "--measure", arguments]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300 + 3 * seconds, check=False)
-    if finished.returncode != 0:
-        raise RuntimeError(f"measuring {workload} {layout} failed:\n{finished.stderr}")
-    # The result's own line: MPI's libraries may print to stdout too (UCX's warnings across hosts).
-    line = next(line for line in reversed(finished.stdout.splitlines()) if line.startswith(RESULT))
-    return json.loads(line[len(RESULT) :])
+    return {"construct_s": construct, **timing.as_dict()}
 
 
 CURVE_PROCESSES = (2, 4, 8, 16, 32)
@@ -179,6 +150,8 @@ def plot(results: list[dict], fits: dict, path: str, title: str) -> None:
 
 
 def main() -> None:
+    if measuring.measure_if_asked(measure):
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
@@ -194,25 +167,22 @@ def main() -> None:
     parser.add_argument("--setup", default="MPI spawn on this machine", help="what the run measured, for the JSON")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--png", default=None, help="draw the scaling curve here (with --curve)")
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # measure's arguments
     args = parser.parse_args()
-    if args.measure is not None:
-        print(RESULT + json.dumps(measure(*json.loads(args.measure))), flush=True)
-        return
 
     configurations = [(workload, layout) for workload in args.workloads for layout in args.layouts]
     configurations += [(workload, layout) for workload in args.curve for layout in curve_layouts()]
     configurations = list(dict.fromkeys(configurations))
-    measured: dict[tuple[str, str], list[dict]] = {configuration: [] for configuration in configurations}
-    for _ in range(args.rounds):
-        for workload, layout in configurations:
-            measured[workload, layout].append(
-                measure_in_new_process(workload, layout, args.envs_per_process, args.seconds, args.mpi_options)
-            )
+    measured = measuring.measure_rounds(
+        configurations,
+        args.rounds,
+        lambda configuration: measuring.measure_in_new_process(
+            __file__, [*configuration, args.envs_per_process, args.seconds, args.mpi_options], 300 + 3 * args.seconds
+        ),
+    )
 
     results = []
-    for (workload, layout), rounds in measured.items():
-        median = sorted(rounds, key=lambda m: m["learner_us"])[len(rounds) // 2]
+    for (workload, layout), rounds in zip(configurations, measured):
+        median = measuring.median_round(rounds, "learner_us")
         results.append(
             {
                 "workload": workload,
@@ -259,25 +229,22 @@ def main() -> None:
     if fits and args.png:
         plot(results, fits, args.png, args.setup)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as file:
-            json.dump(
-                {
-                    "setup": args.setup,
-                    "command": " ".join(["python", "benchmarks/node_agents.py", *sys.argv[1:]]),
-                    "mpi_options": args.mpi_options,
-                    "envs_per_process": args.envs_per_process,
-                    "seconds": args.seconds,
-                    "rounds": args.rounds,
-                    "cpu_count": os.cpu_count(),
-                    "load_average": os.getloadavg(),
-                    "python": platform.python_version(),
-                    "results": results,
-                    "fits": fits,
-                },
-                file,
-                indent=2,
-            )
+        measuring.write_json(
+            args.json,
+            {
+                "setup": args.setup,
+                "command": measuring.command(),
+                "mpi_options": args.mpi_options,
+                "envs_per_process": args.envs_per_process,
+                "seconds": args.seconds,
+                "rounds": args.rounds,
+                "cpu_count": os.cpu_count(),
+                "load_average": os.getloadavg(),
+                "python": platform.python_version(),
+                "results": results,
+                "fits": fits,
+            },
+        )
 
 
 if __name__ == "__main__":

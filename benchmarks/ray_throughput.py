@@ -19,23 +19,21 @@ Workloads: ``cartpole`` (CartPole-v1), ``busy`` (CartPole whose step busy-waits 
 benchmarks/benchmark_envs.py) and ``halfcheetah`` (HalfCheetah-v5, when mujoco is importable).
 Each measurement runs in a fresh Python process (a training script holds one vectorizer for its
 whole run), connected to one Ray instance this script starts for the whole run (``ray.init``, as a
-cluster would be up already; its start is not measured); the vectorizers alternate within each
-round, in an order rotated from round to round, and the median round is reported, as the machine
-may be shared. Reported per workload and vectorizer: env steps per second, the wall time of one
-step of all envs, and the learner's CPU time per step (``time.process_time()``: all threads of the
-learning process, Ray's own included), which grows with the actors, not with the processes behind
-them (compare ``2x1`` with ``2x2``). The targets of ClusterEnv issue #49, met when a Ray layout
-meets them: at least 10x ``naive`` on CartPole, and at least 0.8x ``local`` on the busy env.
+cluster would be up already; its start is not measured); one workload after the other, the
+vectorizers alternate within each round, in an order rotated from round to round, and the median
+round is reported, as the machine may be shared. Reported per workload and vectorizer: env steps
+per second, the wall time of one step of all envs, and the learner's CPU time per step
+(``time.process_time()``: all threads of the learning process, Ray's own included), which grows
+with the actors, not with the processes behind them (compare ``2x1`` with ``2x2``). The targets
+of ClusterEnv issue #49, met when a Ray layout meets them: at least 10x ``naive`` on CartPole, and
+at least 0.8x ``local`` on the busy env.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -47,6 +45,7 @@ ROOT = os.path.dirname(BENCHMARKS)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCHMARKS)
 
+import measuring  # noqa: E402
 from benchmark_envs import BusyCartPole  # noqa: E402
 
 WORKLOADS = {
@@ -117,9 +116,7 @@ def measure(vectorizer: str, workload: str, num_envs: int, seconds: float, optio
     from clusterenv_core import EnvPool
 
     env_fns = [functools.partial(make_env, workload)] * num_envs
-    space = make_env(workload).action_space
-    space.seed(0)
-    actions = np.stack([np.stack([space.sample() for _ in range(num_envs)]) for _ in range(64)])
+    actions = measuring.random_actions(make_env(workload).action_space, num_envs, 64)
     started = time.perf_counter()
     if vectorizer == "local":
         vec = EnvPool(env_fns, backend="local")
@@ -136,37 +133,15 @@ def measure(vectorizer: str, workload: str, num_envs: int, seconds: float, optio
             vec.reset(list(range(num_envs)))
         else:
             vec.reset(seeds=list(range(num_envs)))
-        for i in range(50):  # warm-up
-            vec.step(actions[i % 64])
-        steps = 0
-        cpu_started, started = time.process_time(), time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            for i in range(16):
-                vec.step(actions[(steps + i) % 64])
-            steps += 16
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        timing = measuring.time_steps(vec.step, actions, seconds, warmup=50, chunk=16)
     finally:
         vec.close()
-    return {
-        "construct_s": construct,
-        "steps": steps,
-        "steps_per_s": steps * num_envs / elapsed,
-        "step_us": elapsed / steps * 1e6,
-        "learner_us": cpu / steps * 1e6,
-    }
-
-
-def measure_in_new_process(vectorizer: str, workload: str, num_envs: int, seconds: float, options: dict) -> dict:
-    """:func:`measure` in a fresh interpreter (this script with ``--measure``)."""
-    arguments = json.dumps([vectorizer, workload, num_envs, seconds, options])
-    command = [sys.executable, os.path.abspath(__file__), "--measure", arguments]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300 + 3 * seconds, check=False)
-    if finished.returncode != 0:
-        raise RuntimeError(f"measuring {vectorizer} on {workload} failed:\n{finished.stderr[-3000:]}")
-    return json.loads(finished.stdout.strip().splitlines()[-1])
+    return {"construct_s": construct, **timing.as_dict()}
 
 
 def main() -> None:
+    if measuring.measure_if_asked(measure):
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured stepping per measurement")
     parser.add_argument("--rounds", type=int, default=3)
@@ -176,11 +151,7 @@ def main() -> None:
         "--ray-layouts", nargs="+", default=None, help="WxP: W actors of P processes; default: CPUs x 1"
     )
     parser.add_argument("--json", default=os.path.join(BENCHMARKS, "results", "ray_throughput.json"))
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # measure's arguments
     args = parser.parse_args()
-    if args.measure is not None:
-        print(json.dumps(measure(*json.loads(args.measure))), flush=True)
-        return
 
     import ray
 
@@ -203,33 +174,34 @@ def main() -> None:
         "address": ray.get_runtime_context().gcs_address,
         "cpus": cpus,
     }
-    rounds: dict[tuple[str, str], list[dict]] = {}
+    results = []
     try:
-        for number in range(args.rounds):
-            for workload in workloads:
-                shift = number % len(vectorizers)
-                order = vectorizers[shift:] + vectorizers[:shift]
-                for vectorizer in order:
-                    result = measure_in_new_process(vectorizer, workload, args.envs, args.seconds, options)
-                    rounds.setdefault((workload, vectorizer), []).append(result)
-                    print(
-                        f"round {number + 1} {workload:12s} {vectorizer:10s} {result['steps_per_s']:10.0f} steps/s",
-                        flush=True,
-                    )
+        for workload in workloads:
+            measured = measuring.measure_rounds(
+                vectorizers,
+                args.rounds,
+                lambda vectorizer: measuring.measure_in_new_process(
+                    __file__, [vectorizer, workload, args.envs, args.seconds, options], 300 + 3 * args.seconds
+                ),
+                rotate=True,
+                progress=lambda number, vectorizer, result: print(
+                    f"round {number + 1} {workload:12s} {vectorizer:10s} {result['steps_per_s']:10.0f} steps/s",
+                    flush=True,
+                ),
+            )
+            for vectorizer, rounds in zip(vectorizers, measured):
+                median = measuring.median_round(rounds, "steps_per_s")
+                results.append(
+                    {
+                        "workload": workload,
+                        "vectorizer": vectorizer,
+                        **median,
+                        "rounds_steps_per_s": [result["steps_per_s"] for result in rounds],
+                    }
+                )
     finally:
         ray.shutdown()
 
-    results = []
-    for (workload, vectorizer), measured in rounds.items():
-        median = sorted(measured, key=lambda result: result["steps_per_s"])[len(measured) // 2]
-        results.append(
-            {
-                "workload": workload,
-                "vectorizer": vectorizer,
-                **median,
-                "rounds_steps_per_s": [result["steps_per_s"] for result in measured],
-            }
-        )
     by_key = {(r["workload"], r["vectorizer"]): r for r in results}
     ratios = {
         workload: {
@@ -259,28 +231,20 @@ def main() -> None:
         targets["busy_ray_vs_local_at_least_0.8x"] = best >= 0.8
     print("targets:", ", ".join(f"{name}: {'met' if met else 'NOT met'}" for name, met in targets.items()))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as file:
-            json.dump(
-                {
-                    "command": " ".join(["python", "benchmarks/ray_throughput.py", *sys.argv[1:]]),
-                    "machine": {
-                        "cpus": cpus,
-                        "platform": platform.platform(),
-                        "python": platform.python_version(),
-                        "ray": ray.__version__,
-                    },
-                    "envs": args.envs,
-                    "seconds": args.seconds,
-                    "rounds": args.rounds,
-                    "ray_layouts": layouts,
-                    "results": results,
-                    "ratios": ratios,
-                    "targets": targets,
-                },
-                file,
-                indent=1,
-            )
+        measuring.write_json(
+            args.json,
+            {
+                "command": measuring.command(),
+                "machine": measuring.machine("ray"),
+                "envs": args.envs,
+                "seconds": args.seconds,
+                "rounds": args.rounds,
+                "ray_layouts": layouts,
+                "results": results,
+                "ratios": ratios,
+                "targets": targets,
+            },
+        )
         print(f"wrote {args.json}")
 
 

@@ -67,10 +67,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
-import platform
 import select
 import signal
 import socket
@@ -680,6 +678,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
+    import measuring  # here, not above: the workers run this script too, and import no numpy
 
     if args.quick:
         args.seconds, args.idle_seconds = 0.3, 0.3
@@ -695,9 +694,9 @@ def main() -> None:
             for n in workers:
                 pool = Pool(mech, n)
                 try:
-                    for k, l in CONFIGS:
-                        r = pool.run(k, l, args.seconds)
-                        r.update(mechanism=mech, workers=n, k_us=k, l_us=l)
+                    for k_us, l_us in CONFIGS:
+                        r = pool.run(k_us, l_us, args.seconds)
+                        r.update(mechanism=mech, workers=n, k_us=k_us, l_us=l_us)
                         rows.append(r)
                         print(fmt_table([r]).splitlines()[-1], flush=True)
                     burn = pool.idle_burn(args.idle_seconds)
@@ -730,16 +729,13 @@ def main() -> None:
     total = time.perf_counter() - t_all
     print(f"\ntotal time {total:.1f}s")
 
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({
-            "meta": {"python": sys.version.split()[0], "platform": platform.platform(),
-                     "cpus": os.cpu_count(), "seconds_per_config": args.seconds,
-                     "idle_seconds": args.idle_seconds,
-                     "futex_timeout_s": FUTEX_TIMEOUT_S,
-                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                     "total_runtime_s": total},
-            "rounds": rows, "idle": idle, "wakeup_stats": stats}, f, indent=1)
+    measuring.write_json(args.out, {
+        "meta": {**measuring.machine(), "seconds_per_config": args.seconds,
+                 "idle_seconds": args.idle_seconds,
+                 "futex_timeout_s": FUTEX_TIMEOUT_S,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "total_runtime_s": total},
+        "rounds": rows, "idle": idle, "wakeup_stats": stats})
     print(f"wrote {args.out}")
 
 

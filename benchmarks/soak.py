@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
 import signal
 import time
 import warnings
 
 import gymnasium as gym
+import measuring
 import numpy as np
 import psutil
 
@@ -91,9 +91,7 @@ def run_phase(name: str, env_fn, num_envs: int, total_steps: int, segment_steps:
             actors.rollout(segment_steps)
             actors.publish_weights(policy)
     else:
-        space = venv.action_space
-        space.seed(0)
-        actions = [np.stack([space.sample() for _ in range(num_envs)]) for _ in range(1000)]
+        actions = measuring.random_actions(venv.action_space, num_envs, 1000)
         steps_per_call = num_envs
 
         def advance(call: int) -> None:
@@ -166,9 +164,7 @@ def main() -> None:
         results["mpi"] = run_phase("mpi", cartpole, args.envs, args.mpi_steps, backend="mpi", num_workers=2)
     if importlib.util.find_spec("ale_py") is not None and args.atari_steps:
         results["atari"] = run_phase("atari", make_stacked_pong, 16, args.atari_steps)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as file:
-        json.dump(results, file, indent=2)
+    measuring.write_json(args.json, results)
     worst = max(growth for phase in results.values() for growth in phase["growth"].values())
     verdict = "PASS" if worst <= MAX_GROWTH else "FAIL"
     print(f"\n{verdict}: largest memory growth {100 * worst:+.2f}% (limit {100 * MAX_GROWTH:.0f}%); wrote {args.json}")

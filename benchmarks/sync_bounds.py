@@ -41,7 +41,6 @@ the median and quartiles of the per-chunk ratios (each chunk against DummyVecEnv
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import multiprocessing
 import os
@@ -52,11 +51,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
+import measuring
 import numpy as np
 from stable_baselines3.common.vec_env import DummyVecEnv
+from throughput import CORES, TITLES, WORKLOADS, Lockstep
 
 from clusterenv_sb3 import ClusterVecEnv
-from throughput import CORES, TITLES, WORKLOADS, Lockstep
 
 CHUNK_STEPS = 100
 WARMUP_STEPS = 10
@@ -223,9 +223,7 @@ def measure(
     workload: str, num_envs: int, seconds: float, extra_envs: Sequence[int] = (), learner_delays_us: Sequence[float] = ()
 ) -> list[dict]:
     env_fns = [WORKLOADS[workload][0]] * num_envs
-    action_space = env_fns[0]().action_space
-    action_space.seed(0)
-    actions = [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(64)]
+    actions = measuring.random_actions(env_fns[0]().action_space, num_envs, 64)
     makers: dict[str, Callable[[], Any]] = {
         "DummyVecEnv": lambda: DummyVecEnv(env_fns),
         "ClusterVecEnv": lambda: ClusterVecEnv(env_fns),
@@ -303,9 +301,8 @@ def main() -> None:
             f"| {row['env']} | {row['num_envs']} | {row['config']} | {row['steps_per_s']:,.0f} |"
             f" {row['vs_dummy']:.2f}x | {median:.2f}x ({low:.2f}–{high:.2f}) |"
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as file:
-        json.dump({"cores": CORES, "seconds": args.seconds, "chunk_steps": CHUNK_STEPS, "results": results}, file, indent=2)
+    record = {"cores": CORES, "seconds": args.seconds, "chunk_steps": CHUNK_STEPS, "results": results}
+    measuring.write_json(args.json, record)
     print(f"\nwrote {args.json}")
 
 

@@ -32,11 +32,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import mmap
 import multiprocessing
 import os
-import platform
 import queue
 import time
 import warnings
@@ -44,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
+import measuring
 import numpy as np
 from benchmark_envs import BusyCartPole
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
@@ -79,16 +78,6 @@ WORKLOADS: dict[str, tuple[Callable[[], gym.Env], str | None, str | None]] = {
 TITLES = {"cartpole": "CartPole-v1", "busy": "CartPole, 200 µs busy step", "pong": "Pong (AtariWrapper)", "halfcheetah": "HalfCheetah-v5"}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, threads included (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _worker_pids(venv: Any) -> list[int]:
     if isinstance(venv, (ClusterVecEnv, ClusterVectorEnv)):
         return venv.pool.worker_pids
@@ -102,12 +91,6 @@ def _envpool_vec(task: str, num_envs: int) -> Any:
     return envpool.make_gymnasium(task, num_envs=num_envs, batch_size=num_envs, num_threads=CORES, seed=0)
 
 
-def _timed_actions(action_space: gym.Space, num_envs: int) -> list[np.ndarray]:
-    """256 batches of random actions, drawn (seeded) before any timing."""
-    action_space.seed(0)
-    return [np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(256)]
-
-
 def _core_shares(num_envs: int) -> list[range]:
     """The envs of each of one process per core, as even as they split."""
     return [range(part[0], part[-1] + 1) for part in np.array_split(np.arange(num_envs), min(CORES, num_envs))]
@@ -119,31 +102,17 @@ def measure(make_venv: Callable[[], Any], action_space: gym.Space, num_envs: int
     venv = make_venv()
     venv.reset()
     construct = time.perf_counter() - started
-    actions = _timed_actions(action_space, num_envs)
+    actions = measuring.random_actions(action_space, num_envs, 256)
     try:
-        for i in range(20):  # warm-up
-            venv.step(actions[i])
-        workers = _worker_pids(venv)
-        learner_cpu = _cpu_seconds(os.getpid())
-        worker_cpu = [_cpu_seconds(pid) for pid in workers]
-        steps = 0
-        started = time.perf_counter()
-        deadline = started + seconds
-        while time.perf_counter() < deadline:
-            for i in range(16):
-                venv.step(actions[(steps + i) % 256])
-            steps += 16
-        elapsed = time.perf_counter() - started
-        learner_cpu = _cpu_seconds(os.getpid()) - learner_cpu
-        busy = [(_cpu_seconds(pid) - cpu) / elapsed for pid, cpu in zip(workers, worker_cpu)]
+        timing = measuring.time_steps(venv.step, actions, seconds, warmup=20, chunk=16, worker_pids=_worker_pids(venv))
     finally:
         venv.close()
     return {
         "construct_s": construct,
-        "steps_per_s": steps * num_envs / elapsed,
-        "step_us": elapsed / steps * 1e6,
-        "learner_cpu_us_per_step": learner_cpu / steps * 1e6,
-        "worker_busy": busy,
+        "steps_per_s": timing.steps_per_s,
+        "step_us": timing.step_us,
+        "learner_cpu_us_per_step": timing.learner_us,
+        "worker_busy": timing.worker_busy,
     }
 
 
@@ -163,14 +132,14 @@ def _ideal_process(env_fn: Callable, num_envs: int, action_space: gym.Space, sec
     for i in range(20):
         step_all(actions[i])
     barrier.wait()
-    cpu, steps = _cpu_seconds(os.getpid()), 0
+    cpu, steps = measuring.process_cpu_seconds(os.getpid()), 0
     started = time.perf_counter()
     deadline = started + seconds
     while time.perf_counter() < deadline:
         step_all(actions[steps % 256])
         steps += 1
     elapsed = time.perf_counter() - started
-    results.put((steps * num_envs / elapsed, (_cpu_seconds(os.getpid()) - cpu) / elapsed))
+    results.put((steps * num_envs / elapsed, (measuring.process_cpu_seconds(os.getpid()) - cpu) / elapsed))
 
 
 def _lockstep_worker(env_fn: Callable, rows: range, index: int, counts: np.ndarray, actions: list, conn: Any) -> None:
@@ -252,20 +221,23 @@ def measure_ideal(env_fn: Callable, action_space: gym.Space, num_envs: int, seco
 
 def measure_lockstep(env_fn: Callable, action_space: gym.Space, num_envs: int, seconds: float) -> dict:
     """:class:`Lockstep` stepped in chunks of 64 steps for ``seconds`` of its own stepping time."""
-    actions = _timed_actions(action_space, num_envs)
+    actions = measuring.random_actions(action_space, num_envs, 256)
     started = time.perf_counter()
     lockstep = Lockstep([env_fn] * num_envs, actions)
     try:
         lockstep.run(1)  # the first step, after each process built and reset its envs
         construct = time.perf_counter() - started
         lockstep.run(20)  # warm-up
-        cpu = [_cpu_seconds(process.pid) for process in lockstep.processes]
+        cpu = [measuring.process_cpu_seconds(process.pid) for process in lockstep.processes]
         steps, stepping, started = 0, 0.0, time.perf_counter()
         while stepping < seconds:
             stepping += lockstep.run(64)
             steps += 64
         elapsed = time.perf_counter() - started
-        busy = [(_cpu_seconds(process.pid) - before) / elapsed for process, before in zip(lockstep.processes, cpu)]
+        busy = [
+            (measuring.process_cpu_seconds(process.pid) - before) / elapsed
+            for process, before in zip(lockstep.processes, cpu)
+        ]
     finally:
         lockstep.close()
     return {
@@ -384,20 +356,24 @@ def main() -> None:
                 for name in vectorizers(workload, num_envs)
                 if not args.only or name == "DummyVecEnv" or name in args.only
             ]
-            rounds: dict[str, list[dict]] = {name: [] for name in names}
-            for round_index in range(args.rounds):
-                # Each round starts at another vectorizer, so none always runs first or after the same one.
-                shift = round_index % len(names)
-                for name in names[shift:] + names[:shift]:
-                    row = measure_isolated(context, workload, num_envs, name, args.seconds)
-                    rounds[name].append(row)
-                    busy = " ".join(f"{b:.0%}" for b in row["worker_busy"])
-                    print(
-                        f"{TITLES[workload]:27s} {num_envs:3d} envs  {name:20s} {row['steps_per_s']:9.0f} steps/s"
-                        f"  learner {row['learner_cpu_us_per_step']:7.0f} µs/step  workers busy [{busy}]"
-                        f"  construct {row['construct_s']:5.2f} s  (round {round_index + 1})",
-                        flush=True,
-                    )
+
+            def progress(round_index: int, name: str, row: dict) -> None:
+                busy = " ".join(f"{b:.0%}" for b in row["worker_busy"])
+                print(
+                    f"{TITLES[workload]:27s} {num_envs:3d} envs  {name:20s} {row['steps_per_s']:9.0f} steps/s"
+                    f"  learner {row['learner_cpu_us_per_step']:7.0f} µs/step  workers busy [{busy}]"
+                    f"  construct {row['construct_s']:5.2f} s  (round {round_index + 1})",
+                    flush=True,
+                )
+
+            measured = measuring.measure_rounds(
+                names,
+                args.rounds,
+                lambda name: measure_isolated(context, workload, num_envs, name, args.seconds),
+                rotate=True,
+                progress=progress,
+            )
+            rounds = dict(zip(names, measured))
             for name in names:
                 row = summarize(rounds[name], rounds["DummyVecEnv"], rounds.get("ideal"), rounds.get("lockstep"))
                 row.update(workload=workload, env=TITLES[workload], num_envs=num_envs, vec_env=name)
@@ -415,10 +391,8 @@ def main() -> None:
             f" {row['vs_dummy']:.2f}x ({low:.2f}–{high:.2f}) | {row['vs_ideal']:.2f} | {row['vs_lockstep']:.2f} | {learner} | {busy} |"
             f" {row['construct_s']:.2f} |"
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as file:
-        machine = {"cpus": CORES, "python": platform.python_version(), "platform": platform.platform()}
-        json.dump({"machine": machine, "seconds": args.seconds, "rounds": args.rounds, "results": results}, file, indent=2)
+    record = {"machine": measuring.machine(), "seconds": args.seconds, "rounds": args.rounds, "results": results}
+    measuring.write_json(args.json, record)
     print(f"\nwrote {args.json}")
 
 
