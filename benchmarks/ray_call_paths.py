@@ -15,19 +15,19 @@ polling). Paths interleave within each round; the median of the rounds is report
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from typing import Any
 
+import measuring  # this directory's, first on sys.path when the script runs
 import numpy as np
 import psutil
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
 WORK_SECONDS = {"idle": 0.0, "busy": 0.0016, "sleepy": 0.002}
+PATHS = ("calls", "compiled graph")
 
 
 @ray.remote
@@ -98,18 +98,13 @@ def main() -> None:
     args = parser.parse_args()
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="error", log_to_driver=False)
-    paths = ("calls", "compiled graph")
-    cases = [(work, actors) for work in args.work for actors in args.actors]
-    rounds: dict[tuple, list[dict]] = {}
-    for _ in range(args.rounds):
-        for work, actors in cases:
-            for path in paths:
-                rounds.setdefault((work, actors, path), []).append(measure(path, actors, work, args.steps))
+    cases = [(work, actors, path) for work in args.work for actors in args.actors for path in PATHS]
+    rounds = measuring.measure_rounds(cases, args.rounds, lambda case: measure(case[2], case[1], case[0], args.steps))
     ray.shutdown()
 
     results = []
     print(f"{'work':>7} {'actors':>6} {'path':>15} {'step µs':>9} {'learner µs':>11} {'idle actor CPU':>15}")
-    for (work, actors, path), measured in rounds.items():
+    for (work, actors, path), measured in zip(cases, rounds):
         row = {"work": work, "actors": actors, "path": path}
         row.update({key: statistics.median(m[key] for m in measured) for key in measured[0]})
         results.append(row)
@@ -119,14 +114,13 @@ def main() -> None:
         )
     if args.json:
         report = {
-            "command": "python benchmarks/ray_call_paths.py",
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "ray": ray.__version__},
+            "command": measuring.command(),
+            "machine": measuring.machine("ray"),
             "steps": args.steps,
             "rounds": args.rounds,
             "results": results,
         }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+        measuring.write_json(args.json, report)
 
 
 if __name__ == "__main__":
