@@ -156,7 +156,9 @@ class Transport(ABC):
         """Extra memory for the workers (rollout segments, policy weights): ``(handle, memory)``.
 
         Workers map it with :meth:`WorkerConnection.map_region`. Where memory is not shared, the
-        contents move with :meth:`send_arrays` and :meth:`recv_arrays`.
+        contents move with :meth:`send_arrays` and :meth:`recv_arrays`, and the region is the
+        learner's own memory (a :class:`~clusterenv_core.transports.learner_regions.LearnerRegions`
+        holds such regions).
         """
         raise NotImplementedError(f"{type(self).__name__} has no extra regions")
 
