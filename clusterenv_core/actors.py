@@ -219,7 +219,9 @@ class WorkerActors:
         channel.drain()
         region = self._region(n_steps)
         requests = [
-            protocol.Rollout(n_steps, dict(context or {}), region.handle, block, channel.num_envs, report_every)
+            protocol.Rollout(
+                n_steps, dict(context or {}), region.handle, block, channel.num_envs, report_every, timeout
+            )
             for block in channel.blocks
         ]
         for worker in range(channel.num_workers):

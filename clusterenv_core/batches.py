@@ -277,7 +277,8 @@ class AsyncBatches:
             # Up to when the oldest step exceeds the timeout: a stuck worker is found even while
             # the others keep the batches full.
             oldest = min(self._started_at[worker] for worker in self._stepping)
-            ready = channel.wait_steps(list(self._stepping), max(oldest + channel.timeout - time.monotonic(), 0.0))
+            deadline = oldest + channel.reply_wait(None)
+            ready = channel.wait_steps(list(self._stepping), max(deadline - time.monotonic(), 0.0))
             if ready:
                 self._receive(ready)
             else:
@@ -300,8 +301,9 @@ class AsyncBatches:
         return BatchResult(env_ids, self._obs, self._rewards, self._terminated, self._truncated, infos)
 
     def _time_out_overdue(self) -> None:
-        """A worker stepping for longer than the timeout, with no reply in, timed out."""
-        timeout = self.channel.timeout
+        """A worker stepping for longer than its reply may take (the timeout; a node agent's is
+        longer, see ``WorkerChannel.reply_wait``), with no reply in, timed out."""
+        timeout = self.channel.reply_wait(None)
         now = time.monotonic()
         for worker in [worker for worker in self._stepping if now - self._started_at[worker] > timeout]:
             # A reply in is read; else the read raises the backend's timeout error, its time being past

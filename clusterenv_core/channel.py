@@ -63,19 +63,28 @@ class WorkerChannel:
 
     :param transport: the backend's transport (not started yet)
     :param blocks: the global env indices of each worker's block
-    :param timeout: seconds any single wait for a worker may last
+    :param timeout: the pool's ``timeout``: seconds a worker may take to answer (or to report
+        progress), the waits for its reply bounded by :meth:`reply_wait`
     :param max_worker_restarts: how many times one worker may be replaced when lost in a step or a
         segment; ``None``: lost workers are not replaced (the pool fails)
+    :param agent_allowance: where the workers are node agents, ``allowance(timeout)``: how much longer
+        than ``timeout`` to wait for one (:func:`~clusterenv_core.node_agent.agent_allowance`)
     """
 
     def __init__(
-        self, transport: Transport, blocks: list[range], timeout: float, max_worker_restarts: int | None
+        self,
+        transport: Transport,
+        blocks: list[range],
+        timeout: float,
+        max_worker_restarts: int | None,
+        agent_allowance: Callable[[float], float] | None = None,
     ) -> None:
         self.transport = transport
         self.blocks = blocks
         self.num_workers = len(blocks)
         self.num_envs = blocks[-1].stop
         self.timeout = timeout
+        self._agent_allowance = agent_allowance
         #: the state the pool's calls check; :attr:`interrupted`: Ctrl-C cut the wait for it short
         self.state = PoolState.IDLE
         self.interrupted = False
@@ -176,6 +185,14 @@ class WorkerChannel:
 
     # -- requests and replies ---------------------------------------------------------------------
 
+    def reply_wait(self, request_type: type | None, timeout: float | None = None) -> float:
+        """How long to wait for a worker's reply to a request of ``request_type`` (``None``: a step)
+        that it may take ``timeout`` to answer (default: the pool's): longer for requests that import
+        (:func:`~clusterenv_core.replies.reply_timeout`), and for node agents, whose own wait for a
+        stuck local process must end first."""
+        wait = reply_timeout(request_type, self.timeout if timeout is None else timeout)
+        return wait if self._agent_allowance is None else wait + self._agent_allowance(wait)
+
     def send(
         self,
         worker: int,
@@ -259,7 +276,6 @@ class WorkerChannel:
             replaced (:meth:`lose_in_step`), and its result is missing
         """
         transport = self.transport
-        timeout = self.timeout if timeout is None else timeout
         workers = list(workers)
         awaiting, reply_arrays, read = self._awaiting, self._reply_arrays, self._read_replies
         for worker in workers:
@@ -271,7 +287,7 @@ class WorkerChannel:
                     transport,
                     worker,
                     request_type,
-                    reply_timeout(request_type, timeout),
+                    self.reply_wait(request_type, timeout),
                     reply_arrays.get(worker),
                     self._keep_reply,
                     on_progress,
@@ -314,10 +330,14 @@ class WorkerChannel:
             request_type = self._awaiting[worker]
             if (keep_steps and request_type is None) or worker in read:
                 continue
-            timeout = reply_timeout(request_type, self.timeout)
             try:
                 read_reply(
-                    self.transport, worker, request_type, timeout, self._reply_arrays.get(worker), self._keep_reply
+                    self.transport,
+                    worker,
+                    request_type,
+                    self.reply_wait(request_type),
+                    self._reply_arrays.get(worker),
+                    self._keep_reply,
                 )
             except (WorkerLostError, WorkerTimeoutError) as error:
                 raise self.fail(error)

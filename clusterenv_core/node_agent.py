@@ -15,13 +15,17 @@ into the rows the learner reads. What does not fit the buffers comes back keyed 
 
 The inner pool's env indices are this block's slots. An env's failure in a local process is
 reported as the env's own (:class:`RelayedEnvFailure`); a lost or silent local process as the
-worker's failure, unless the learner's pool replaces lost workers (``restart_failed_workers``):
-then the inner pool replaces a local process lost in a step or a rollout segment, as a pool
-replaces a worker, and the reply names the local processes replaced (``process_restarts``), which
-the learner counts as replaced workers; their envs' episodes end as a lost worker's do, the reason naming the local
-process and this worker. A local process silent past the timeout keeps the agent silent as long,
-so the learner replaces the whole agent instead. A block that replaces a lost agent's starts new
-local processes, its envs carrying their restart counts over.
+worker's failure, naming the process and its envs by global index, unless the learner's pool
+replaces lost workers (``restart_failed_workers``): then the inner pool replaces a local process
+lost in a step or a rollout segment, or silent past the timeout there, as a pool replaces a worker,
+and the reply names the local processes replaced (``process_restarts``), which the learner counts
+as replaced workers; their envs' episodes end as a lost worker's do, the reason naming the local
+process and this worker. A block that replaces a lost agent's starts new local processes, its envs
+carrying their restart counts over.
+
+The inner pool waits for a local process the learner's ``timeout``, and the learner waits for the
+agent longer (:func:`agent_allowance`), so a stuck local process is always the agent's to report or
+replace: the learner never takes its agent for the stuck one.
 
 The inner pool is made by ``make_pool`` (:class:`~clusterenv_core.pool.EnvPool`), which is handed
 in, so this module imports no pool and the pool may import it: an MPI SPMD rank turns worker inside
@@ -48,12 +52,39 @@ from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.learner_threads import LearnerThreadsWarning
 from clusterenv_core.node_agent_actors import AgentActors, with_env_restarts
 from clusterenv_core.protocol import RESTART_INFO_KEY
+from clusterenv_core.replies import START_TIMEOUT
+from clusterenv_core.transports.base import envs_named
 from clusterenv_core.worker.env_block import step_parts
 from clusterenv_core.worker.remote_failure import RemoteFailure
 
 if TYPE_CHECKING:
     from clusterenv_core.inference import WeightsRegion
     from clusterenv_core.rollout import RolloutArrays
+
+#: Seconds an agent may take to reply once its inner pool gave up on a local process, on a busy
+#: machine: generous, as it only delays the report of an agent that is stuck itself.
+AGENT_REACTION = 5.0
+
+
+def agent_allowance(timeout: float, replaces_processes: bool) -> float:
+    """How much longer than ``timeout`` the learner waits for a node agent, which waits ``timeout``
+    for each of its local processes: long enough for the agent's own wait to end first, so that it
+    reports a stuck local process (or replaces it), whatever the load of the machine.
+
+    Beyond the agent's reply (:data:`AGENT_REACTION`), a quarter of ``timeout``: in a rollout segment
+    the agent forwards its local processes' progress every quarter of the timeout at most, so its
+    learner may have heard from it that much earlier than it heard from its stuck process.
+
+    :param timeout: how long the agent waits for a local process: the pool's ``timeout``, a rollout's,
+        or the longer wait of a starting worker
+    :param replaces_processes: the agent replaces a lost or stuck local process
+        (``restart_failed_workers``) before it replies: as long again as a starting worker is given
+        (``START_TIMEOUT``, or ``timeout`` if longer) for the replacement to build its envs
+    """
+    allowance = AGENT_REACTION + timeout / 4
+    if replaces_processes:
+        allowance += max(timeout, START_TIMEOUT)
+    return allowance
 
 
 class RelayedEnvFailure(RemoteFailure):
@@ -98,8 +129,9 @@ class AgentBlock:
         self._action_rows: list[np.ndarray] = []  # the block's rows of each action field
         self._action_dtypes: list[np.dtype] = []
         self._result_copies: list[tuple[np.ndarray, np.ndarray]] = []  # (the learner's rows, the inner field)
-        # Local processes replaced and not yet reported to the learner (a step's reply reports them).
-        self._replaced_processes: list[int] = []
+        # Local processes replaced and not yet reported to the learner (a step's reply reports them),
+        # each with the id of its lost process, which the inner pool's restart reason names.
+        self._replaced_processes: list[tuple[int, int]] = []
         max_env_restarts, max_process_restarts = request.max_env_restarts, request.max_process_restarts
         try:
             with warnings.catch_warnings():
@@ -163,27 +195,37 @@ class AgentBlock:
         obs = {} if self.buffers.obs_layout.buffered else {first + slot: obs for slot, obs in enumerate(result.obs)}
         infos = _shifted(result.infos, first)
         replaced_processes, self._replaced_processes = self._replaced_processes, []
-        for process in replaced_processes:
-            self._name_process_in_reasons(process, infos)
+        for process, pid in replaced_processes:
+            self._name_process_in_reasons(process, pid, infos)
         return step_parts(
             infos=infos,
             reset_infos=_shifted(result.reset_infos, first),
             final_obs=_shifted(result.pickled_final_obs, first),
             obs=obs,
             env_restarts=self.replaced,
-            process_restarts=replaced_processes,
+            process_restarts=[process for process, _ in replaced_processes],
         )
 
-    def _name_process_in_reasons(self, process: int, infos: dict[int, dict]) -> None:
-        """Where the inner pool's restart reasons name local process ``process`` a worker, name it
-        as the local process of this worker that it is."""
+    def _name_process_in_reasons(self, process: int, pid: int, infos: dict[int, dict]) -> None:
+        """Where the inner pool's restart reasons name local process ``process`` (whose lost
+        process had id ``pid``) a worker, name it as the local process of this worker that it is."""
         inner_name = f"worker {process} was replaced"
         name = f"local process {process} of worker {self.worker} (a node agent) was replaced"
         for slot in self.pool.blocks[process]:
             info = infos.get(self.first_index + slot)
             reason = None if info is None else info.get(RESTART_INFO_KEY)
             if isinstance(reason, str) and reason.startswith(inner_name):
-                info[RESTART_INFO_KEY] = name + reason[len(inner_name) :]
+                info[RESTART_INFO_KEY] = self._as_local_process(name + reason[len(inner_name) :], process, pid)
+
+    def _as_local_process(self, message: str, process: int, pid: int) -> str:
+        """``message`` of the inner pool, which names local process ``process`` (process id ``pid``)
+        its worker, with envs counted from the block's start, naming it as the learner knows it
+        instead: the local process of this worker, its envs by global index."""
+        slots = self.pool.blocks[process]
+        envs = range(self.first_index + slots.start, self.first_index + slots.stop)
+        inner_name = f"worker {process} (pid {pid}{envs_named(slots)})"
+        name = f"local process {process} of worker {self.worker} (a node agent; pid {pid}{envs_named(envs)})"
+        return message.replace(inner_name, name, 1)
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None, omit_if_none: tuple[str, ...]) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``), as :meth:`EnvBlock.reset` does."""
@@ -248,12 +290,14 @@ class AgentBlock:
         report: Callable[[int], None],
         report_every: float,
         request_waiting: Callable[[], bool],
+        timeout: float,
     ) -> dict:
         """Collect a segment with the deployed ``actors`` (see :meth:`AgentActors.collect`), and leave
         the learner's buffers as a flat worker's segment leaves them: the rows after its last step."""
         try:
             result = self._run(
-                "rollout", lambda: actors.collect(n_steps, context, arrays, report, report_every, request_waiting)
+                "rollout",
+                lambda: actors.collect(n_steps, context, arrays, report, report_every, request_waiting, timeout),
             )
         finally:
             self.replaced_in_segment = self.replaced  # also what a failed segment's reply says
@@ -262,9 +306,9 @@ class AgentBlock:
         replaced_processes, self._replaced_processes = self._replaced_processes, []
         if replaced_processes:
             for parts in result.get("steps", {}).values():
-                for process in replaced_processes:
-                    self._name_process_in_reasons(process, parts.get("infos", {}))
-            result["process_restarts"] = replaced_processes
+                for process, pid in replaced_processes:
+                    self._name_process_in_reasons(process, pid, parts.get("infos", {}))
+            result["process_restarts"] = [process for process, _ in replaced_processes]
         return result
 
     def close(self, starting: Callable[[int], None] | None = None) -> None:
@@ -286,8 +330,7 @@ class AgentBlock:
         except EnvError as error:
             raise RelayedEnvFailure(error) from error
         except ClusterEnvError as error:  # a local process lost or silent, or the inner pool unusable since
-            where = f"the node agent's local processes (numbered, as their envs, from env {self.first_index})"
-            raise RemoteFailure(None, f"{operation} in {where}", error) from error
+            raise self._local_process_failure(operation, error) from error
         finally:
             if before is not None:
                 for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
@@ -295,12 +338,28 @@ class AgentBlock:
             if self.pool.restarts["workers"] != processes_before:
                 self._note_replaced_processes()
 
+    def _local_process_failure(self, operation: str, error: ClusterEnvError) -> RemoteFailure:
+        """The worker's failure for the inner pool's ``error`` about a local process (lost, silent
+        past the timeout, or the inner pool unusable since), the process named as
+        :meth:`_as_local_process` names it; the error keeps its type."""
+        where = f"{operation} in the node agent's local processes"
+        message = str(error)
+        for process, pid in enumerate(self._pids):  # the ids before any replacement in this call
+            named = self._as_local_process(message, process, pid)
+            if named != message:
+                failure = type(error)(named)
+                failure.__cause__ = error
+                return RemoteFailure(None, where, failure)
+        return RemoteFailure(None, where, error)
+
     def _note_replaced_processes(self) -> None:
         """Note the local processes the inner pool replaced (by their new process ids), for the next
         step's reply: also those replaced in a call other than a step, which finished a step that
         had failed (the inner pool replaces the lost once the others' replies are in)."""
-        pids = self.pool.worker_pids
-        self._replaced_processes.extend(process for process, pid in enumerate(pids) if pid != self._pids[process])
+        pids, before = self.pool.worker_pids, self._pids
+        self._replaced_processes.extend(
+            (process, before[process]) for process, pid in enumerate(pids) if pid != before[process]
+        )
         self._pids = pids
 
     def _copy_results(self, selected: slice | np.ndarray = slice(None)) -> None:

@@ -73,11 +73,13 @@ class AgentActors:
         report: Callable[[int], None],
         report_every: float,
         request_waiting: Callable[[], bool],
+        timeout: float,
     ) -> dict:
         """Collect a segment of ``n_steps`` on the local processes into ``arrays`` (the learner's
         region, whose rows start at ``arrays.row0``); returns what
         :func:`~clusterenv_core.worker.rollout_collection.collect_segment` returns for a flat worker,
-        less the envs replaced in the segment, which :func:`with_env_restarts` adds.
+        less the envs replaced in the segment, which :func:`with_env_restarts` adds. A local process
+        may go ``timeout`` seconds without progress, as a flat worker may.
 
         ``report(steps)`` forwards the local processes' progress every ``report_every`` seconds;
         weights the learner publishes meanwhile reach them at their next report. Once
@@ -98,7 +100,7 @@ class AgentActors:
                 next_report = time.monotonic() + report_every
 
         self.relay_weights()
-        self.actors.rollout_async(n_steps, context, timeout=4 * report_every, progress_every=_LOOK_EVERY)
+        self.actors.rollout_async(n_steps, context, timeout=timeout, progress_every=_LOOK_EVERY)
         try:
             rollout = self.actors.rollout_wait(on_progress=on_progress)
         except _LearnerAsks:

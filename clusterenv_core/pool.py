@@ -27,7 +27,7 @@ from clusterenv_core.errors import ClusterEnvError
 from clusterenv_core.factories import contiguous_blocks, pickle_factories, refuse_a_pool_built_by_a_worker_import
 from clusterenv_core.interpreter import LearnerInterpreter
 from clusterenv_core.learner_threads import warn_if_torch_threads_contend
-from clusterenv_core.node_agent import AgentBlock
+from clusterenv_core.node_agent import AgentBlock, agent_allowance
 from clusterenv_core.not_copyable import NotCopyable
 from clusterenv_core.protocol import AUTORESET_MODES
 from clusterenv_core.replies import START_TIMEOUT
@@ -66,8 +66,13 @@ class EnvPool(NotCopyable):
     :param num_workers: number of workers (default: the worker ranks of an MPI launch, a Ray actor per
         node with CPUs (``"ray"``), else
         ``min(len(env_fns), os.cpu_count())``)
-    :param timeout: seconds any single wait for a worker may last before
-        :class:`~clusterenv_core.errors.WorkerTimeoutError`; a worker that dies is reported sooner
+    :param timeout: seconds an env may take in a step (or a call, a reset; in a rollout segment,
+        without progress) before it is reported as stuck: a
+        :class:`~clusterenv_core.errors.WorkerTimeoutError` naming its worker, which ``close()``
+        ends. With ``processes_per_worker`` > 1, the node agent reports (or replaces) its stuck local
+        process after that time, and the learner waits for an agent longer
+        (:func:`~clusterenv_core.node_agent.agent_allowance`), in case the agent is stuck itself. A
+        worker that dies is reported sooner
     :param autoreset_mode: ``"same_step"``, ``"next_step"`` or ``"disabled"``
         (see :mod:`clusterenv_core.worker`)
     :param restart_failed_envs: replace an env that raises in ``step`` by a new one from its factory
@@ -198,7 +203,12 @@ class EnvPool(NotCopyable):
         ]
 
         self._transport = transport
-        channel = WorkerChannel(transport, self.blocks, timeout, max_restarts if restart_failed_workers else None)
+        allowance = None
+        if self.processes_per_worker > 1:
+            allowance = functools.partial(agent_allowance, replaces_processes=restart_failed_workers)
+        channel = WorkerChannel(
+            transport, self.blocks, timeout, max_restarts if restart_failed_workers else None, allowance
+        )
         channel.env_restarts[:] = carried
         self._channel = channel
         self._batched_action_space: Space | None = None  # built on first use, for spaces without buffers

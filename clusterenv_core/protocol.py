@@ -88,7 +88,7 @@ class Init(Request):
     # A node agent's: how often each of its local processes may be replaced when lost in a step
     # (restart_failed_workers; None: not replaced, the loss is the agent's error).
     max_process_restarts: int | None
-    timeout: float  # the pool's: a node agent waits for its local processes as long as the learner for it
+    timeout: float  # the pool's: how long a node agent waits for its local processes (node_agent.agent_allowance)
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,7 @@ class Rollout(Request):
     block: range
     num_envs: int
     report_every: float  # seconds between PROGRESS replies
+    timeout: float  # seconds a worker may go without progress (a node agent's local processes too)
 
 
 @dataclass(frozen=True)

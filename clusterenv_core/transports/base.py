@@ -22,6 +22,12 @@ from typing import Any
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
 
 
+def envs_named(block: range) -> str:
+    """``", envs 4-7"`` (``", env 4"`` for one): the envs of ``block``, as error messages name a
+    worker's."""
+    return f", env {block.start}" if len(block) == 1 else f", envs {block.start}-{block.stop - 1}"
+
+
 class RequestNotSent(KeyboardInterrupt):
     """Ctrl-C while a request was being pickled, before any of it was sent: no reply will come.
     (Ctrl-C while it is written raises a plain ``KeyboardInterrupt``: it may be out.)"""
@@ -84,10 +90,7 @@ class Transport(ABC):
 
     def envs_of(self, worker: int) -> str:
         """``", envs 4-7"``: the envs of ``worker``, for error messages (empty without blocks)."""
-        if worker >= len(self.blocks):
-            return ""
-        block = self.blocks[worker]
-        return f", env {block.start}" if len(block) == 1 else f", envs {block.start}-{block.stop - 1}"
+        return envs_named(self.blocks[worker]) if worker < len(self.blocks) else ""
 
     def default_num_workers(self) -> int | None:
         """How many workers this backend has to offer (e.g. the worker ranks of an MPI launch), or
@@ -161,7 +164,9 @@ class Transport(ABC):
         """Extra memory for the workers (rollout segments, policy weights): ``(handle, memory)``.
 
         Workers map it with :meth:`WorkerConnection.map_region`. Where memory is not shared, the
-        contents move with :meth:`send_arrays` and :meth:`recv_arrays`.
+        contents move with :meth:`send_arrays` and :meth:`recv_arrays`, and the region is the
+        learner's own memory (a :class:`~clusterenv_core.transports.learner_regions.LearnerRegions`
+        holds such regions).
         """
         raise NotImplementedError(f"{type(self).__name__} has no extra regions")
 

@@ -237,7 +237,9 @@ class Worker:
             self.connection.request_waiting,
         )
         if self.agent:  # on the local processes' copies
-            result = self.block.rollout(self.host, n_steps, context, arrays, report, report_every, waiting)
+            result = self.block.rollout(
+                self.host, n_steps, context, arrays, report, report_every, waiting, request.timeout
+            )
         else:
             result = collect_segment(self.block, n_steps, context, self.host, arrays, report, report_every, waiting)
         mine = slice(arrays.row0, arrays.row0 + len(request.block))

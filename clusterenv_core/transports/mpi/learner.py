@@ -20,6 +20,7 @@ from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeo
 from clusterenv_core.interpreter import interpreter_flags
 from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, ctrl_c_held
+from clusterenv_core.transports.learner_regions import LearnerRegions
 from clusterenv_core.transports.mpi.heartbeat import (
     DEFAULT_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -141,8 +142,7 @@ class MPITransport(Transport):
         self._datatypes: list = []
         self._memory: bytearray | None = None
         self._headers: np.ndarray | None = None
-        self._regions: dict[int, bytearray] = {}  # by handle
-        self._next_region = 0
+        self._regions = LearnerRegions()
 
     @property
     def num_workers(self) -> int:
@@ -502,12 +502,10 @@ class MPITransport(Transport):
     # -- regions (worker-side inference) ----------------------------------------------------------
 
     def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
-        handle, self._next_region = self._next_region, self._next_region + 1
-        region = self._regions[handle] = bytearray(nbytes)
-        return handle, memoryview(region)
+        return self._regions.share(nbytes)
 
     def release_region(self, handle: Any) -> None:
-        self._regions.pop(handle, None)
+        self._regions.release(handle)
 
     @holding_mpi_lock
     def send_arrays(self, worker: int, arrays: list) -> None:
@@ -596,7 +594,7 @@ class MPITransport(Transport):
             if bell is not None:
                 bell.close()
         self._bells = [None] * self.num_workers
-        self._regions = {}
+        self._regions.release_all()
         self._memory = self._headers = None
         self._result_messages, self._action_messages = [], []
         if parted or self.comm is None:

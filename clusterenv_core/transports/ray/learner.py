@@ -36,6 +36,7 @@ from clusterenv_core.buffers import BatchBuffers, BatchSpec
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, ctrl_c_held
+from clusterenv_core.transports.learner_regions import LearnerRegions
 from clusterenv_core.transports.ray.actor import WorkerActor, result_rows
 from clusterenv_core.transports.ray.placement import (
     PLACEMENT_STRATEGIES,
@@ -125,8 +126,7 @@ class RayTransport(Transport):
         self._buffers: BatchBuffers | None = None
         self._rows: list[np.ndarray] = []  # the learner's result arrays, in the order steps return them
         self._buffer_blocks: list[range] = []
-        self._regions: dict[int, bytearray] = {}
-        self._next_region = 0
+        self._regions = LearnerRegions()
 
     @property
     def num_workers(self) -> int:
@@ -361,12 +361,10 @@ class RayTransport(Transport):
     # -- regions (worker-side inference) ----------------------------------------------------------
 
     def share_region(self, nbytes: int) -> tuple[Any, memoryview]:
-        handle, self._next_region = self._next_region, self._next_region + 1
-        region = self._regions[handle] = bytearray(nbytes)
-        return handle, memoryview(region)
+        return self._regions.share(nbytes)
 
     def release_region(self, handle: Any) -> None:
-        self._regions.pop(handle, None)
+        self._regions.release(handle)
 
     def recv_arrays(self, worker: int, arrays: list, timeout: float) -> None:
         for array, values in zip(arrays, self._next(worker, "arrays", timeout)):
@@ -458,7 +456,8 @@ class RayTransport(Transport):
         group, self._group = self._group, None
         self._displaced = set()
         self._calls, self._inbox, self._steps = [], [], []
-        self._shared, self._buffers, self._rows, self._regions = None, None, [], {}
+        self._shared, self._buffers, self._rows = None, None, []
+        self._regions.release_all()
         if not ray.is_initialized():
             return  # Ray was shut down first, which ended the actors and the placement group
         for actor in actors:
