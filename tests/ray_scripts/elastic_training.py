@@ -8,7 +8,7 @@ node in the middle of ``learn()``, with ``restart_failed_workers``:
    training finishes;
 3. a node lost with no node left with room: the lost bundle waits ``replace_timeout`` (3 s), then
    its envs run on a surviving node outside the bundle and stepping goes on; a node added later
-   takes them back at the next ``reset()``;
+   takes them back at the next ``reset()`` (node agents of 2 processes);
 4. every node lost: the pool fails after ``replace_timeout`` with an error saying what to do.
 
 Prints one JSON line: per phase, which envs were rebuilt where (``EnvPool.worker_replacements``)
@@ -129,10 +129,11 @@ def main() -> None:
         env.close()
 
         # 3. No node with room: after replace_timeout the lost envs run on a surviving node, outside
-        # their bundle; a node added later takes them back at the next reset.
+        # their bundle; a node added later takes them back at the next reset. Node agents of 2
+        # local processes: a displaced actor brings its processes along.
         alive = [nodes[2], first_added, lose.added]
         actions = np.zeros(NUM_ENVS, dtype=np.int64)
-        with EnvPool(env_fns, backend_options={"replace_timeout": 3}, **OPTIONS) as pool:
+        with EnvPool(env_fns, backend_options={"replace_timeout": 3}, processes_per_worker=2, **OPTIONS) as pool:
             pool.reset(seeds=list(range(NUM_ENVS)))
             cluster.remove_node(alive.pop(0))
             lost_at = time.monotonic()
