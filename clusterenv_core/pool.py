@@ -163,11 +163,12 @@ class EnvPool(NotCopyable):
         self.max_restarts = max_restarts
         #: the global env indices of each worker's block
         self.blocks = contiguous_blocks(num_envs, num_workers)
+        smallest_block = min(len(block) for block in self.blocks)
         if processes_per_worker is None:
             offered = transport.default_processes_per_worker() if layout_by_backend else None
-            processes_per_worker = min(offered or 1, min(len(block) for block in self.blocks))
+            processes_per_worker = min(offered or 1, smallest_block)
         self.processes_per_worker = checks.check_processes_per_worker(
-            processes_per_worker, min(len(block) for block in self.blocks), transport.has_inline_worker
+            processes_per_worker, smallest_block, transport.has_inline_worker
         )
         carried = [0] * num_envs if carried_env_restarts is None else list(carried_env_restarts)
         if len(carried) != num_envs:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import collections
 import time
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from clusterenv_core.buffers import BatchBuffers, BatchSpec
+from clusterenv_core.checks import check_seconds
 from clusterenv_core.errors import ClusterEnvError, WorkerLostError, WorkerTimeoutError
 from clusterenv_core.protocol import OK_NONE, dumps, loads
 from clusterenv_core.transports.base import RequestNotSent, Transport, ctrl_c_held
@@ -103,10 +103,7 @@ class RayTransport(Transport):
         if not number or not 0 < cpus_per_actor < 1e9:
             raise ValueError(f"cpus_per_actor must be a positive number, got {cpus_per_actor!r}")
         self.cpus_per_actor = float(cpus_per_actor)
-        number = isinstance(replace_timeout, (int, float)) and not isinstance(replace_timeout, bool)
-        if not number or not 0 < replace_timeout < 1e9:
-            raise ValueError(f"replace_timeout must be a positive number of seconds, got {replace_timeout!r}")
-        self.replace_timeout = float(replace_timeout)
+        self.replace_timeout = check_seconds("replace_timeout", replace_timeout, below=1e9)
         self.placement = placement
         self.actor_options = dict(actor_options or {})
         self.failed: set[int] = set()
@@ -422,7 +419,7 @@ class RayTransport(Transport):
         """Start the worker's actor on the surviving node running the fewest of the pool's actors,
         its bundle having found no room; returns the ref of its ``hello``."""
         ray.kill(self.actors[worker], no_restart=True)
-        others = Counter(self._where[other]["node"] for other in range(len(self.actors)) if other != worker)
+        others = collections.Counter(self._where[other]["node"] for other in range(len(self.actors)) if other != worker)
         node = least_loaded_node(others)
         if node is None:
             self.failed.add(worker)
