@@ -296,6 +296,89 @@ def test_sb3_ppo_on_ray_actors_collects_what_sb3_collects():
         env.close()
 
 
+WORKER_SIDE = {  # clusterenv_sb3's worker-side algorithms: env id, options, timesteps
+    "A2C": ("CartPole-v1", {"n_steps": 8}, 256),
+    "DQN": ("CartPole-v1", {"learning_starts": 64, "train_freq": 4, "batch_size": 32}, 256),
+    "SAC": ("Pendulum-v1", {"learning_starts": 64, "train_freq": 4, "gradient_steps": 2, "batch_size": 32}, 256),
+    "TD3": ("Pendulum-v1", {"learning_starts": 64, "train_freq": 4, "gradient_steps": 2, "batch_size": 32}, 256),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKER_SIDE))
+def test_worker_side_algorithms_with_aaps_learn_on_ray_actors_what_they_learn_on_local_workers(name, one_torch_thread):
+    """clusterenv_sb3's A2C, DQN, SAC and TD3 acting on the workers, with AAPS: seeded, the same
+    parameters after training on Ray actors as on local workers of the same layout (flat, and node
+    agents)."""
+    pytest.importorskip("stable_baselines3")
+    import torch
+    from stable_baselines3.common.env_util import make_vec_env
+
+    import clusterenv_sb3
+
+    env_id, options, timesteps = WORKER_SIDE[name]
+    if name == "TD3":  # AAPS compares TD3 actors through their Gaussian exploration noise
+        from stable_baselines3.common.noise import NormalActionNoise
+
+        options = {**options, "action_noise": NormalActionNoise(np.zeros(1), 0.3 * np.ones(1))}
+    states = {}
+    for backend, processes in [(backend, processes) for processes in (1, 2) for backend in ("local", "ray")]:
+        env = make_vec_env(
+            env_id,
+            n_envs=4,
+            seed=0,
+            vec_env_cls=clusterenv_sb3.ClusterVecEnv,
+            vec_env_kwargs={"backend": backend, "num_workers": 2, "processes_per_worker": processes},
+        )
+        try:
+            model = getattr(clusterenv_sb3, name)(
+                "MlpPolicy", env, seed=0, device="cpu", policy_kwargs={"net_arch": [16]}, **options
+            )
+            model.learn(timesteps, callback=clusterenv_sb3.AAPSCallback(kl_threshold=0.01))
+            assert model.policy_sync.stats.updates > 0
+            states[backend, processes] = {key: value.clone() for key, value in model.policy.state_dict().items()}
+        finally:
+            env.close()
+    for processes in (1, 2):
+        for key, value in states["local", processes].items():
+            torch.testing.assert_close(states["ray", processes][key], value, rtol=0, atol=0, msg=f"x{processes}: {key}")
+
+
+@pytest.mark.skipif(not GYMNASIUM_1, reason="the rollouts' test envs use gymnasium 1.x's autoreset modes")
+def test_worker_rollouts_on_ray_actors_are_those_of_local_workers():
+    """CleanRL's WorkerRollouts (PPO batches, the weights pushed between segments) on Ray actors,
+    flat and as node agents: the batches of local workers of the same layout."""
+    torch = pytest.importorskip("torch")
+    from clusterenv_cleanrl import WorkerRollouts
+    from tests.test_cleanrl_rollouts import SEEDS, GreedyAgent, make_env
+
+    def batches(backend: str, processes: int) -> list:
+        torch.manual_seed(0)
+        agent = GreedyAgent()
+        envs = ClusterVectorEnv(
+            [make_env] * len(SEEDS),
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+            num_workers=2,
+            processes_per_worker=processes,
+            backend=backend,
+        )
+        with envs:
+            rollouts = WorkerRollouts(envs, agent, 20, seed=SEEDS[0])
+            collected = [rollouts.collect_ppo(0.99)]
+            with torch.no_grad():
+                agent.actor.bias.add_(1.0)
+            assert rollouts.after_update()  # pushed: every update, by default
+            collected.append(rollouts.collect_ppo(0.99))
+            rollouts.close()
+        return collected
+
+    for processes in (1, 2):
+        for ours, reference in zip(batches("ray", processes), batches("local", processes)):
+            for field in ("obs", "actions", "logprobs", "rewards", "dones", "values", "next_obs", "next_done"):
+                torch.testing.assert_close(getattr(ours, field), getattr(reference, field), rtol=0, atol=0)
+            np.testing.assert_array_equal(ours.versions, reference.versions)
+            assert ours.episodes == reference.episodes
+
+
 # -- the fuzzer, briefly -----------------------------------------------------------------------------
 
 
