@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import time
 from typing import Any
 
@@ -52,6 +53,7 @@ _START_TIMEOUT = 60.0  # at least this long for actors to start (a Ray worker pr
 _INTERIM_TIMEOUT = 5.0  # how long a busy actor may take to say what it sent so far
 _WAIT_SLICE = 0.5  # the longest single Ray wait, so that Ctrl-C is taken promptly
 _EXIT_GRACE = 5.0  # how long killed actors may take to be gone
+_NICENESS = "RAY_worker_niceness"  # the environment variable Ray starts a worker process's niceness from
 _REPLACE_TIMEOUT = 10.0  # how long a lost actor's bundle waits for a node with room, by default
 
 
@@ -67,7 +69,10 @@ class RayTransport(Transport):
     :param placement: the placement group's strategy; ``"auto"``: ``STRICT_SPREAD`` (an actor per
         node) when the cluster has enough nodes with CPUs, else ``SPREAD``
     :param actor_options: further keywords of the actors' ``.options()`` (``runtime_env``,
-        ``memory``, custom ``resources``, ...)
+        ``memory``, custom ``resources``, ...). The actors run at this process's niceness, as a
+        local worker would, not at the niceness 15 Ray gives its workers (at which they starve
+        while this process trains on their node); a ``RAY_worker_niceness`` among the runtime
+        env's ``env_vars`` sets another
     :param replace_timeout: how long, in seconds, a lost actor's bundle (``restart_failed_workers``)
         waits for a node with room before its replacement starts outside it, on the surviving node
         running the fewest of the pool's actors, without reserving CPUs there; the worker returns
@@ -189,6 +194,10 @@ class RayTransport(Transport):
         else:
             strategy, cpus = NodeAffinitySchedulingStrategy(node, soft=True), 0.0
         options = dict(self.actor_options, num_cpus=cpus, scheduling_strategy=strategy, max_restarts=0)
+        runtime_env = dict(options.get("runtime_env") or {})
+        learner_niceness = str(os.getpriority(os.PRIO_PROCESS, 0))
+        runtime_env["env_vars"] = {_NICENESS: learner_niceness, **(runtime_env.get("env_vars") or {})}
+        options["runtime_env"] = runtime_env
         return WorkerActor.options(**options).remote(worker, self.agent_block)
 
     def _at_exit(self) -> None:
