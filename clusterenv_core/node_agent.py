@@ -51,9 +51,8 @@ from clusterenv_core import protocol
 from clusterenv_core.errors import ClusterEnvError, EnvError
 from clusterenv_core.learner_threads import LearnerThreadsWarning
 from clusterenv_core.node_agent_actors import AgentActors, with_env_restarts
-from clusterenv_core.protocol import RESTART_INFO_KEY
 from clusterenv_core.replies import START_TIMEOUT
-from clusterenv_core.transports.base import envs_named
+from clusterenv_core.transports import WorkerNames
 from clusterenv_core.worker.env_block import step_parts
 from clusterenv_core.worker.remote_failure import RemoteFailure
 
@@ -129,9 +128,8 @@ class AgentBlock:
         self._action_rows: list[np.ndarray] = []  # the block's rows of each action field
         self._action_dtypes: list[np.dtype] = []
         self._result_copies: list[tuple[np.ndarray, np.ndarray]] = []  # (the learner's rows, the inner field)
-        # Local processes replaced and not yet reported to the learner (a step's reply reports them),
-        # each with the id of its lost process, which the inner pool's restart reason names.
-        self._replaced_processes: list[tuple[int, int]] = []
+        # Local processes replaced and not yet reported to the learner (a step's reply reports them).
+        self._replaced_processes: list[int] = []
         max_env_restarts, max_process_restarts = request.max_env_restarts, request.max_process_restarts
         try:
             with warnings.catch_warnings():
@@ -152,6 +150,9 @@ class AgentBlock:
                     # The learner checks each env's space with its own test once they are described; here
                     # the buffers are laid out by the block's first env's, as the learner's by env 0's.
                     observation_spaces_fit=_any_space_fits,
+                    # Its errors and restart reasons name the local processes, and the envs by the
+                    # learner's indices: they reach the learner as they are.
+                    worker_names=WorkerNames(agent=request.worker, first_env=first_index),
                 )
         except EnvError as error:
             raise RelayedEnvFailure(error) from error
@@ -193,39 +194,15 @@ class AgentBlock:
         result = self._run("step", lambda: pool.step(actions, per_env=per_env))
         self._copy_results()
         obs = {} if self.buffers.obs_layout.buffered else {first + slot: obs for slot, obs in enumerate(result.obs)}
-        infos = _shifted(result.infos, first)
         replaced_processes, self._replaced_processes = self._replaced_processes, []
-        for process, pid in replaced_processes:
-            self._name_process_in_reasons(process, pid, infos)
         return step_parts(
-            infos=infos,
+            infos=_shifted(result.infos, first),
             reset_infos=_shifted(result.reset_infos, first),
             final_obs=_shifted(result.pickled_final_obs, first),
             obs=obs,
             env_restarts=self.replaced,
-            process_restarts=[process for process, _ in replaced_processes],
+            process_restarts=replaced_processes,
         )
-
-    def _name_process_in_reasons(self, process: int, pid: int, infos: dict[int, dict]) -> None:
-        """Where the inner pool's restart reasons name local process ``process`` (whose lost
-        process had id ``pid``) a worker, name it as the local process of this worker that it is."""
-        inner_name = f"worker {process} was replaced"
-        name = f"local process {process} of worker {self.worker} (a node agent) was replaced"
-        for slot in self.pool.blocks[process]:
-            info = infos.get(self.first_index + slot)
-            reason = None if info is None else info.get(RESTART_INFO_KEY)
-            if isinstance(reason, str) and reason.startswith(inner_name):
-                info[RESTART_INFO_KEY] = self._as_local_process(name + reason[len(inner_name) :], process, pid)
-
-    def _as_local_process(self, message: str, process: int, pid: int) -> str:
-        """``message`` of the inner pool, which names local process ``process`` (process id ``pid``)
-        its worker, with envs counted from the block's start, naming it as the learner knows it
-        instead: the local process of this worker, its envs by global index."""
-        slots = self.pool.blocks[process]
-        envs = range(self.first_index + slots.start, self.first_index + slots.stop)
-        inner_name = f"worker {process} (pid {pid}{envs_named(slots)})"
-        name = f"local process {process} of worker {self.worker} (a node agent; pid {pid}{envs_named(envs)})"
-        return message.replace(inner_name, name, 1)
 
     def reset(self, seeds: list, options: list, mask: list[bool] | None, omit_if_none: tuple[str, ...]) -> dict | None:
         """Reset the envs selected by ``mask`` (all when ``None``), as :meth:`EnvBlock.reset` does."""
@@ -305,10 +282,7 @@ class AgentBlock:
         result = with_env_restarts(result, self.replaced)
         replaced_processes, self._replaced_processes = self._replaced_processes, []
         if replaced_processes:
-            for parts in result.get("steps", {}).values():
-                for process, pid in replaced_processes:
-                    self._name_process_in_reasons(process, pid, parts.get("infos", {}))
-            result["process_restarts"] = [process for process, _ in replaced_processes]
+            result["process_restarts"] = replaced_processes
         return result
 
     def close(self, starting: Callable[[int], None] | None = None) -> None:
@@ -330,7 +304,8 @@ class AgentBlock:
         except EnvError as error:
             raise RelayedEnvFailure(error) from error
         except ClusterEnvError as error:  # a local process lost or silent, or the inner pool unusable since
-            raise self._local_process_failure(operation, error) from error
+            # The error names the local process and its envs as the learner knows them (worker_names).
+            raise RemoteFailure(None, f"{operation} in the node agent's local processes", error) from error
         finally:
             if before is not None:
                 for slot, (was, now) in enumerate(zip(before, self.pool.env_restarts)):
@@ -338,28 +313,12 @@ class AgentBlock:
             if self.pool.restarts["workers"] != processes_before:
                 self._note_replaced_processes()
 
-    def _local_process_failure(self, operation: str, error: ClusterEnvError) -> RemoteFailure:
-        """The worker's failure for the inner pool's ``error`` about a local process (lost, silent
-        past the timeout, or the inner pool unusable since), the process named as
-        :meth:`_as_local_process` names it; the error keeps its type."""
-        where = f"{operation} in the node agent's local processes"
-        message = str(error)
-        for process, pid in enumerate(self._pids):  # the ids before any replacement in this call
-            named = self._as_local_process(message, process, pid)
-            if named != message:
-                failure = type(error)(named)
-                failure.__cause__ = error
-                return RemoteFailure(None, where, failure)
-        return RemoteFailure(None, where, error)
-
     def _note_replaced_processes(self) -> None:
         """Note the local processes the inner pool replaced (by their new process ids), for the next
         step's reply: also those replaced in a call other than a step, which finished a step that
         had failed (the inner pool replaces the lost once the others' replies are in)."""
         pids, before = self.pool.worker_pids, self._pids
-        self._replaced_processes.extend(
-            (process, before[process]) for process, pid in enumerate(pids) if pid != before[process]
-        )
+        self._replaced_processes.extend(process for process, pid in enumerate(pids) if pid != before[process])
         self._pids = pids
 
     def _copy_results(self, selected: slice | np.ndarray = slice(None)) -> None:

@@ -33,7 +33,7 @@ from clusterenv_core.protocol import AUTORESET_MODES
 from clusterenv_core.replies import START_TIMEOUT
 from clusterenv_core.results import ResetResult, StepResult
 from clusterenv_core.spaces import common_spaces
-from clusterenv_core.transports import make_transport
+from clusterenv_core.transports import WorkerNames, make_transport
 
 if TYPE_CHECKING:
     from gymnasium import Space
@@ -103,6 +103,9 @@ class EnvPool(NotCopyable):
         first env's space, so a looser test must still require its dtype and shape: gymnasium's
         ``is_space_dtype_shape_equiv``, for ``SyncVectorEnv``'s ``observation_mode="different"``.
         :attr:`observation_spaces` holds each env's.
+    :param worker_names: how error messages and restart reasons name the workers and envs (the pool
+        of a node agent names its workers as the agent's local processes, its envs by the learner's
+        indices); default: ``worker 3``, envs from 0
 
     A pool cannot be copied or pickled (``TypeError``): its envs live in its worker processes.
 
@@ -129,6 +132,7 @@ class EnvPool(NotCopyable):
         backend_options: dict[str, Any] | None = None,
         carried_env_restarts: Sequence[int] | None = None,
         observation_spaces_fit: Callable[[Any, Any], bool] | None = None,
+        worker_names: WorkerNames = WorkerNames(),
     ) -> None:
         refuse_a_pool_built_by_a_worker_import()
         env_fns = list(env_fns)
@@ -216,6 +220,7 @@ class EnvPool(NotCopyable):
         self._restarts: WorkerRestarts | None = None  # with restart_failed_workers, once started
         self._closed = False
         transport.worker_modules = tuple(worker_modules)
+        transport.names = worker_names
         # What makes a node agent's block, for workers the transport serves from here: an MPI SPMD rank
         # turning worker within this call, a Ray actor (node agents run pools of this class).
         transport.agent_block = functools.partial(AgentBlock, make_pool=EnvPool)

@@ -160,7 +160,7 @@ class WorkerRestarts:
     def _reason(self, worker: int, error: ClusterEnvError) -> str:
         channel = self.channel
         count, most = channel.worker_restarts[worker], channel.max_worker_restarts
-        return f"worker {worker} was replaced (restart {count} of {most}) after: {error}"
+        return f"{channel.transport.names.worker(worker)} was replaced (restart {count} of {most}) after: {error}"
 
     def _take_over_step(self, worker: int, error: ClusterEnvError) -> dict:
         """Build the lost worker's envs on its replacement and end their interrupted episodes as

@@ -52,6 +52,7 @@ def shutdown(
     def remaining(floor: float = 0.01) -> float:  # the floor still reads replies already there
         return max(deadline - time.monotonic(), floor)
 
+    names = transport.names
     asked: dict[int, float] = {}  # the workers asked to close, and when
     closed: set[int] = set()
     first_error = None
@@ -79,7 +80,7 @@ def shutdown(
                     except WorkerTimeoutError:
                         doing = "a step" if request_type is None else f"a {request_type.__name__} request"
                         _warn_close_timeout(
-                            f"worker {worker} was still in {doing} {CLOSE_TIMEOUT:g} s after close() began"
+                            f"{names.worker(worker)} was still in {doing} {CLOSE_TIMEOUT:g} s after close() began"
                         )
                         raise
                 if worker not in asked:
@@ -99,10 +100,9 @@ def shutdown(
                     closing, last_contact = result, time.monotonic()
                     status, result = transport.recv(worker, max(deadline - last_contact, 0.01))
             except WorkerTimeoutError:
-                what = f"env {closing}" if closing is not None else "its envs"
-                _warn_close_timeout(
-                    f"{what} on worker {worker} did not finish close() within {time.monotonic() - asked_at:.3g} s"
-                )
+                what = f"env {names.first_env + closing}" if closing is not None else "its envs"
+                took = time.monotonic() - asked_at
+                _warn_close_timeout(f"{what} on {names.worker(worker)} did not finish close() within {took:.3g} s")
                 continue
             except ClusterEnvError:
                 continue

@@ -13,7 +13,7 @@ import importlib
 import inspect
 from typing import Any
 
-from clusterenv_core.transports.base import Transport, WorkerConnection
+from clusterenv_core.transports.base import Transport, WorkerConnection, WorkerNames
 
 _BACKENDS = {
     "local": ("clusterenv_core.transports.local", "LocalTransport"),
@@ -45,4 +45,4 @@ def worker_connection(backend: str, argv: list[str]) -> WorkerConnection:
     return importlib.import_module(_BACKENDS[backend][0]).worker_connection(argv)
 
 
-__all__ = ["Transport", "WorkerConnection", "make_transport", "worker_connection"]
+__all__ = ["Transport", "WorkerConnection", "WorkerNames", "make_transport", "worker_connection"]

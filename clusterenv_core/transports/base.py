@@ -12,6 +12,7 @@ the rows with buffer messages; the pool and the worker never see the difference.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from abc import ABC, abstractmethod
@@ -26,6 +27,41 @@ def envs_named(block: range) -> str:
     """``", envs 4-7"`` (``", env 4"`` for one): the envs of ``block``, as error messages name a
     worker's."""
     return f", env {block.start}" if len(block) == 1 else f", envs {block.start}-{block.stop - 1}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerNames:
+    """How a pool's messages name its workers and their envs.
+
+    A learner's pool says ``worker 3 (pid 4211, envs 4-7)``. The inner pool of a node agent names
+    its workers as the agent's local processes, and their envs by the learner's indices, so that
+    its errors and restart reasons reach the learner as they are:
+    ``local process 1 of worker 0 (a node agent; pid 977, envs 2-3)``.
+
+    :param agent: the worker whose node agent runs the pool (``None``: the learner's pool)
+    :param first_env: the learner's index of the pool's env 0
+    """
+
+    agent: int | None = None
+    first_env: int = 0
+
+    def worker(self, worker: int) -> str:
+        """``worker 3``, or ``local process 3 of worker 0 (a node agent)``."""
+        if self.agent is None:
+            return f"worker {worker}"
+        return f"local process {worker} of worker {self.agent} (a node agent)"
+
+    def envs(self, block: range) -> str:
+        """``", envs 4-7"``: the envs of ``block`` (the pool's indices) by the learner's indices
+        (empty for no envs)."""
+        return envs_named(range(self.first_env + block.start, self.first_env + block.stop)) if block else ""
+
+    def process(self, worker: int, pid: int, block: range) -> str:
+        """``worker 3 (pid 4211, envs 4-7)``, or
+        ``local process 1 of worker 0 (a node agent; pid 977, envs 2-3)``."""
+        if self.agent is None:
+            return f"worker {worker} (pid {pid}{self.envs(block)})"
+        return f"local process {worker} of worker {self.agent} (a node agent; pid {pid}{self.envs(block)})"
 
 
 class RequestNotSent(KeyboardInterrupt):
@@ -76,6 +112,8 @@ class Transport(ABC):
     exit_hook: Callable[[], None] | None = None
     #: set by the pool that owns the transport: the env indices of each worker (for error messages)
     blocks: tuple[range, ...] = ()
+    #: set by the pool that owns the transport: how error messages name its workers and envs
+    names: WorkerNames = WorkerNames()
     #: set by the pool that owns the transport: modules the workers' env factories name, which every
     #: worker will import (a backend may import them ahead, for all its workers at once)
     worker_modules: tuple[str, ...] = ()
@@ -90,7 +128,14 @@ class Transport(ABC):
 
     def envs_of(self, worker: int) -> str:
         """``", envs 4-7"``: the envs of ``worker``, for error messages (empty without blocks)."""
-        return envs_named(self.blocks[worker]) if worker < len(self.blocks) else ""
+        return self.names.envs(self._block(worker))
+
+    def process_named(self, worker: int, pid: int) -> str:
+        """``worker 3 (pid 4211, envs 4-7)``: the worker, process ``pid``, as :attr:`names` says it."""
+        return self.names.process(worker, pid, self._block(worker))
+
+    def _block(self, worker: int) -> range:
+        return self.blocks[worker] if worker < len(self.blocks) else range(0)
 
     def default_num_workers(self) -> int | None:
         """How many workers this backend has to offer (e.g. the worker ranks of an MPI launch), or

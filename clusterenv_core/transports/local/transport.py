@@ -216,7 +216,7 @@ class LocalTransport(Transport):
         except TimeoutError:
             self.failed.add(worker)
             raise WorkerTimeoutError(
-                f"worker {worker} (pid {self.processes[worker].pid}{self.envs_of(worker)}) did not answer within {timeout:g} s"
+                f"{self.process_named(worker, self.processes[worker].pid)} did not answer within {timeout:g} s"
             ) from None
         except ConnectionError as error:
             raise self._lost(worker, f"its connection broke ({error})") from error
@@ -276,12 +276,12 @@ class LocalTransport(Transport):
                 status = f"was killed by {signal.Signals(-code).name}"
         except (subprocess.TimeoutExpired, ValueError):
             status = "is unresponsive"
-            return WorkerLostError(f"worker {worker} (pid {process.pid}{self.envs_of(worker)}) {status}: {why}")
+            return WorkerLostError(f"{self.process_named(worker, process.pid)} {status}: {why}")
         last_lines = self._stderr.last_lines(worker)
         said = (
             f"\n\nThe last lines it wrote to stderr:\n{last_lines}" if last_lines else " (it wrote nothing to stderr)"
         )
-        return WorkerLostError(f"worker {worker} (pid {process.pid}{self.envs_of(worker)}) {status}: {why}{said}")
+        return WorkerLostError(f"{self.process_named(worker, process.pid)} {status}: {why}{said}")
 
     def share_buffers(self, spec: BatchSpec, blocks: list[range]) -> BatchBuffers:
         nbytes = spec.nbytes()
