@@ -162,9 +162,9 @@ def test_close_ends_the_actors_and_what_they_started(no_leaks, processes):
 
 
 def test_actors_and_their_processes_run_at_the_learners_niceness(no_leaks):
-    """As local workers do, not at the niceness 15 Ray starts its workers with (they starved while
-    the learner, or anything else at niceness 0, kept the node's cores busy); a runtime env's
-    RAY_worker_niceness among actor_options sets another."""
+    """As local workers do, not at the niceness 15 Ray starts its workers with (they all but stopped,
+    and missed the pool's timeout, while processes at niceness 0 kept the node's cores busy); a
+    runtime env's RAY_worker_niceness among actor_options sets another."""
     learner = os.getpriority(os.PRIO_PROCESS, 0)
     for options, expected in (({}, learner), ({"runtime_env": {"env_vars": {"RAY_worker_niceness": "7"}}}, 7)):
         ray_options = {"actor_options": options, "cpus_per_actor": 0.5}

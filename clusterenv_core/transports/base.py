@@ -23,12 +23,6 @@ from typing import Any
 from clusterenv_core.buffers import BatchBuffers, BatchSpec, Field
 
 
-def envs_named(block: range) -> str:
-    """``", envs 4-7"`` (``", env 4"`` for one): the envs of ``block``, as error messages name a
-    worker's."""
-    return f", env {block.start}" if len(block) == 1 else f", envs {block.start}-{block.stop - 1}"
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerNames:
     """How a pool's messages name its workers and their envs.
@@ -52,9 +46,12 @@ class WorkerNames:
         return f"local process {worker} of worker {self.agent} (a node agent)"
 
     def envs(self, block: range) -> str:
-        """``", envs 4-7"``: the envs of ``block`` (the pool's indices) by the learner's indices
-        (empty for no envs)."""
-        return envs_named(range(self.first_env + block.start, self.first_env + block.stop)) if block else ""
+        """``", envs 4-7"`` (``", env 4"`` for one): the envs of ``block`` (the pool's indices) by
+        the learner's indices (empty for no envs)."""
+        if not block:
+            return ""
+        first, last = self.first_env + block.start, self.first_env + block.stop - 1
+        return f", env {first}" if first == last else f", envs {first}-{last}"
 
     def process(self, worker: int, pid: int, block: range) -> str:
         """``worker 3 (pid 4211, envs 4-7)``, or

@@ -70,9 +70,9 @@ class RayTransport(Transport):
         node) when the cluster has enough nodes with CPUs, else ``SPREAD``
     :param actor_options: further keywords of the actors' ``.options()`` (``runtime_env``,
         ``memory``, custom ``resources``, ...). The actors run at this process's niceness, as a
-        local worker would, not at the niceness 15 Ray gives its workers (at which they starve
-        while this process trains on their node); a ``RAY_worker_niceness`` among the runtime
-        env's ``env_vars`` sets another
+        local worker would, not at the niceness 15 Ray gives its workers (at which they all but
+        stop while other processes keep their node's cores busy, and miss the pool's timeout); a
+        ``RAY_worker_niceness`` among the runtime env's ``env_vars`` sets another
     :param replace_timeout: how long, in seconds, a lost actor's bundle (``restart_failed_workers``)
         waits for a node with room before its replacement starts outside it, on the surviving node
         running the fewest of the pool's actors, without reserving CPUs there; the worker returns
