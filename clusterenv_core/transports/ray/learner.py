@@ -468,9 +468,26 @@ class RayTransport(Transport):
             return  # Ray was shut down first, which ended the actors and the placement group
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        # A call to a killed actor fails once Ray knows it is dead, its process gone.
+        deadline = time.monotonic() + _EXIT_GRACE
+        # A call to a killed actor fails once Ray knows it is dead.
         probes = [actor.hello.remote() for actor in actors]
         if probes:
             ray.wait(probes, num_returns=len(probes), timeout=_EXIT_GRACE)
+        # Its process may still be exiting then, on a busy machine: on this node, wait until it is gone.
+        node = ray.get_runtime_context().get_node_id()
+        _wait_until_gone([where["pid"] for where in self._where if where["node"] == node and where["pid"]], deadline)
         if group is not None:
             remove_placement_group(group)
+
+
+def _wait_until_gone(pids: list[int], deadline: float) -> None:
+    """Wait until no process of ``pids`` exists, or ``deadline`` (``time.monotonic()``) passed."""
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # the pid is another user's now: ours is gone
+                break
+            time.sleep(0.02)
